@@ -1,0 +1,30 @@
+"""Reference layers (registered by the built-in plugin `axcore.layers.plugin`)."""
+
+from axcore.layers.attention import MultiheadAttention
+from axcore.layers.base import BaseLayer, with_fields
+from axcore.layers.basic import Embedding, LayerNorm, Linear, RMSNorm
+from axcore.layers.feed_forward import Activation, FeedForward, Gating
+from axcore.layers.lm import CausalLM, cross_entropy, sum_aux_losses
+from axcore.layers.position import LearnedPositionEmbedding, PositionEmbedding
+from axcore.layers.transformer import RepeatedTransformer, StackedTransformer, TransformerLayer
+
+__all__ = [
+    "Activation",
+    "BaseLayer",
+    "CausalLM",
+    "Embedding",
+    "FeedForward",
+    "Gating",
+    "LayerNorm",
+    "LearnedPositionEmbedding",
+    "Linear",
+    "MultiheadAttention",
+    "PositionEmbedding",
+    "RMSNorm",
+    "RepeatedTransformer",
+    "StackedTransformer",
+    "TransformerLayer",
+    "cross_entropy",
+    "sum_aux_losses",
+    "with_fields",
+]

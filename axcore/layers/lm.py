@@ -1,0 +1,131 @@
+"""Causal language model: embedding, decoder stack, final norm, head, and loss."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from axcore.config import REQUIRED, InstantiableConfig
+from axcore.config.traversal import find
+from axcore.layers.attention import MultiheadAttention
+from axcore.layers.base import BaseLayer, with_fields
+from axcore.layers.basic import Embedding, Linear, RMSNorm
+from axcore.layers.position import LearnedPositionEmbedding
+from axcore.layers.transformer import StackedTransformer
+
+AUX_LOSS = "aux_loss"
+
+
+def cross_entropy(logits, labels, weights, z_loss_scale: float = 0.0) -> tuple[jax.Array, dict]:
+    """Weighted mean token cross-entropy plus optional z-loss.
+
+    Args:
+        logits: `[..., vocab]` (computed in float32).
+        labels: `[...]` int target ids.
+        weights: `[...]` float per-token weights (0 for padding).
+        z_loss_scale: weight of mean(logsumexp(logits)^2).
+
+    Returns:
+        `(loss, metrics)` with metrics cross_entropy, z_loss and num_tokens.
+    """
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    label_logits = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    num = jnp.maximum(jnp.sum(weights), 1.0)
+    xent = jnp.sum((log_z - label_logits) * weights) / num
+    z_loss = jnp.sum(jnp.square(log_z) * weights) / num
+    loss = xent + z_loss_scale * z_loss
+    return loss, {"cross_entropy": xent, "z_loss": z_loss, "num_tokens": jnp.sum(weights)}
+
+
+def sum_aux_losses(module_outputs: dict) -> jax.Array:
+    """Sum of every `aux_loss` leaf in a module-output tree (stacked ones summed too)."""
+    total = jnp.zeros((), jnp.float32)
+    for key, value in module_outputs.items():
+        if isinstance(value, dict):
+            total = total + sum_aux_losses(value)
+        elif key == AUX_LOSS:
+            total = total + jnp.sum(value).astype(jnp.float32)
+    return total
+
+
+class CausalLM(BaseLayer):
+    """Decoder-only LM. Token ids `[batch, seq]` -> logits `[batch, seq, vocab_size]`."""
+
+    class Config(BaseLayer.Config):
+        """Configures CausalLM."""
+
+        # Vocabulary size.
+        vocab_size: int = REQUIRED
+        # Model dimension.
+        dim: int = REQUIRED
+        # Number of decoder layers.
+        num_layers: int = REQUIRED
+        # Token embedding.
+        embedding: InstantiableConfig = Embedding.default_config()
+        # Input position embedding slot (None: positions only inside attention, e.g. RoPE).
+        position_embedding: InstantiableConfig | None = LearnedPositionEmbedding.default_config().set(max_len=2048)
+        # Decoder stack (stacked_transformer or repeated_transformer).
+        decoder: InstantiableConfig = StackedTransformer.default_config()
+        # Norm after the decoder.
+        final_norm: InstantiableConfig = RMSNorm.default_config()
+        # Output projection; None ties it to the token embedding.
+        lm_head: InstantiableConfig | None = Linear.default_config().set(bias=False)
+        # Weight of the z-loss mean(logsumexp(logits)^2).
+        z_loss_scale: float = 0.0
+
+    @classmethod
+    def default_config(cls):
+        cfg = super().default_config()
+        for _, attention in find(cfg, MultiheadAttention):
+            attention.causal = True
+        return cfg
+
+    def __init__(self, cfg, **kwargs):
+        super().__init__(cfg, **kwargs)
+        cfg = self._config
+        self._add_child("embedding", with_fields(cfg.embedding, num_embeddings=cfg.vocab_size, dim=cfg.dim))
+        if cfg.position_embedding is not None:
+            self._add_child("position_embedding", with_fields(cfg.position_embedding, dim=cfg.dim))
+        self._add_child("decoder", with_fields(cfg.decoder, input_dim=cfg.dim, num_layers=cfg.num_layers))
+        self._add_child("final_norm", with_fields(cfg.final_norm, input_dim=cfg.dim))
+        if cfg.lm_head is not None:
+            lm_head = with_fields(cfg.lm_head, input_dim=cfg.dim, output_dim=cfg.vocab_size)
+            self._add_child("lm_head", lm_head.set(weight_axes=("embed", "vocab")))
+
+    def logits(self, input_ids: jax.Array, positions: jax.Array | None = None, kv_mask=None) -> jax.Array:
+        """input_ids `[batch, seq]` -> logits `[batch, seq, vocab_size]`."""
+        x = self.embedding(input_ids)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+        if "position_embedding" in self.children:
+            x = self.position_embedding.embed_inputs(x, positions)
+        x = self.decoder(x, positions=positions, kv_mask=kv_mask)
+        x = self.final_norm(x)
+        if "lm_head" in self.children:
+            return self.lm_head(x)
+        return self.embedding.attend(x)
+
+    def forward(self, input_batch: dict) -> tuple[jax.Array, dict]:
+        """Training loss.
+
+        Args:
+            input_batch: `input_ids` and `target_labels` `[batch, seq]` int; optional
+                `target_weights` `[batch, seq]` (default: labels >= 0), `positions`,
+                `kv_mask` (False for padding).
+
+        Returns:
+            `(loss, metrics)`: loss = cross-entropy + z_loss_scale * z-loss + the sum of
+            every `aux_loss` that descendants recorded with `add_module_output`.
+        """
+        labels = input_batch["target_labels"]
+        weights = input_batch.get("target_weights")
+        if weights is None:
+            weights = (labels >= 0).astype(jnp.float32)
+        logits = self.logits(
+            input_batch["input_ids"], input_batch.get("positions"), input_batch.get("kv_mask")
+        )
+        loss, metrics = cross_entropy(logits, jnp.maximum(labels, 0), weights, self._config.z_loss_scale)
+        aux = sum_aux_losses(self.output_collection.module_outputs)
+        metrics["aux_loss"] = aux
+        return loss + aux, metrics

@@ -1,0 +1,74 @@
+"""Position embeddings and the slot contract they implement.
+
+A position embedding is a layer that may act in up to three places; each default
+is the identity, so an embedding implements only what it needs:
+
+- `embed_inputs(x, positions)`: absolute embeddings added to token embeddings, in a
+  model's input slot (`CausalLM.position_embedding`).
+- `transform_qk(q, k, q_positions, k_positions)`: relative embeddings that rotate or
+  otherwise transform queries and keys (RoPE), in an attention layer's slot.
+- `attention_bias(q_positions, k_positions)`: an additive logit bias (ALiBi).
+
+The parent sets `dim` (model dim in an input slot, head dim in an attention slot)
+and `num_heads` (attention slots only).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from axcore.config import REQUIRED
+from axcore.layers.base import BaseLayer
+from axcore.params import FanAxes, ParameterSpec
+
+
+class PositionEmbedding(BaseLayer):
+    """Base class of position embeddings (identity in every place)."""
+
+    class Config(BaseLayer.Config):
+        """Configures PositionEmbedding."""
+
+        # Feature dimension it acts on; set by the parent slot.
+        dim: int | None = None
+        # Number of query heads; set by attention slots.
+        num_heads: int | None = None
+
+    def embed_inputs(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x `[batch, seq, dim]`, positions `[batch, seq]` int -> `[batch, seq, dim]`."""
+        del positions
+        return x
+
+    def transform_qk(self, q, k, q_positions, k_positions):
+        """q `[batch, q_len, heads, head_dim]`, k `[batch, kv_len, kv_heads, head_dim]`,
+        positions `[batch, q_len]` / `[batch, kv_len]` -> `(q, k)` of the same shapes."""
+        del q_positions, k_positions
+        return q, k
+
+    def attention_bias(self, q_positions, k_positions):
+        """-> additive bias `[batch|1, heads|1, q_len, kv_len]`, or None."""
+        del q_positions, k_positions
+        return None
+
+
+class LearnedPositionEmbedding(PositionEmbedding):
+    """Learned absolute embeddings: x + table[positions]; table `[max_len, dim]`."""
+
+    class Config(PositionEmbedding.Config):
+        """Configures LearnedPositionEmbedding."""
+
+        # Number of positions the table holds; longer inputs are an error.
+        max_len: int = REQUIRED
+
+    def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
+        cfg = self._config
+        if cfg.dim is None:
+            raise ValueError(f"{self.path}: dim is unset; place it in a slot that sets it.")
+        return {"weight": self._weight((cfg.max_len, cfg.dim), (None, "embed"), FanAxes((1,), (0,)))}
+
+    def embed_inputs(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        if x.shape[-2] > self._config.max_len:
+            raise ValueError(
+                f"{self.path}: sequence length {x.shape[-2]} exceeds max_len {self._config.max_len}."
+            )
+        return x + jnp.take(self.parameters["weight"], positions, axis=0).astype(x.dtype)

@@ -1,0 +1,149 @@
+"""Pre-norm transformer layer and layer stacks (unrolled, or scanned over stacked params).
+
+Both stacks take `x [batch, seq, input_dim]` and keyword arguments that they pass
+to every layer (`positions`, `kv_mask`). For the same parameters (the scanned stack
+holds each unrolled layer's tree stacked on a leading `num_layers` axis) they give
+the same numbers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from axcore.config import REQUIRED, InstantiableConfig
+from axcore.errors import ConfigError
+from axcore.layers.attention import MultiheadAttention
+from axcore.layers.base import BaseLayer, with_fields
+from axcore.layers.basic import RMSNorm
+from axcore.layers.feed_forward import FeedForward
+from axcore.module import functional
+from axcore.params import ParameterSpec, fold_in_name
+
+
+class TransformerLayer(BaseLayer):
+    """x + attn(norm(x)), then + ffn(norm(x)); optional residual dropout."""
+
+    class Config(BaseLayer.Config):
+        """Configures TransformerLayer."""
+
+        # Model dimension.
+        input_dim: int = REQUIRED
+        # Normalization before each sublayer (e.g. rms_norm or layer_norm).
+        norm: InstantiableConfig = RMSNorm.default_config()
+        # Self-attention sublayer.
+        self_attention: InstantiableConfig = MultiheadAttention.default_config()
+        # Feed-forward sublayer (a mixture of experts fits here too).
+        feed_forward: InstantiableConfig = FeedForward.default_config()
+        # Dropout rate on each sublayer's output, in training only.
+        dropout_rate: float = 0.0
+
+    def __init__(self, cfg, **kwargs):
+        super().__init__(cfg, **kwargs)
+        cfg = self._config
+        dim = cfg.input_dim
+        self._add_child("attention_norm", with_fields(cfg.norm, input_dim=dim))
+        self._add_child("self_attention", with_fields(cfg.self_attention, input_dim=dim))
+        self._add_child("ffn_norm", with_fields(cfg.norm, input_dim=dim))
+        self._add_child("feed_forward", with_fields(cfg.feed_forward, input_dim=dim))
+
+    def _dropout(self, x: jax.Array, name: str) -> jax.Array:
+        rate = self._config.dropout_rate
+        if not self.is_training or rate == 0.0:
+            return x
+        if self.prng_key is None:
+            raise ValueError(f"{self.path}: dropout in training needs a prng_key.")
+        keep = jax.random.bernoulli(fold_in_name(self.prng_key, name), 1.0 - rate, x.shape)
+        return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+    def forward(self, x: jax.Array, **kwargs) -> jax.Array:
+        h = self.self_attention(self.attention_norm(x), **kwargs)
+        x = x + self._dropout(h, "attention_dropout")
+        h = self.feed_forward(self.ffn_norm(x))
+        return x + self._dropout(h, "ffn_dropout")
+
+
+class StackedTransformer(BaseLayer):
+    """`num_layers` layers applied in sequence, as children `layer0`, `layer1`, ..."""
+
+    class Config(BaseLayer.Config):
+        """Configures StackedTransformer."""
+
+        # Model dimension.
+        input_dim: int = REQUIRED
+        # Number of layers.
+        num_layers: int = REQUIRED
+        # One config used for every layer, or a list with one config per layer.
+        layer: InstantiableConfig | list[InstantiableConfig] = TransformerLayer.default_config()
+
+    def __init__(self, cfg, **kwargs):
+        super().__init__(cfg, **kwargs)
+        cfg = self._config
+        layers = cfg.layer if isinstance(cfg.layer, list) else [cfg.layer] * cfg.num_layers
+        if len(layers) != cfg.num_layers:
+            raise ConfigError(
+                f"{self.path}: 'layer' lists {len(layers)} configs but num_layers is {cfg.num_layers}."
+            )
+        for i, layer_cfg in enumerate(layers):
+            self._add_child(f"layer{i}", with_fields(layer_cfg, input_dim=cfg.input_dim))
+
+    def forward(self, x: jax.Array, **kwargs) -> jax.Array:
+        for i in range(self._config.num_layers):
+            x = getattr(self, f"layer{i}")(x, **kwargs)
+        return x
+
+
+class RepeatedTransformer(BaseLayer):
+    """One layer config applied `num_layers` times with `jax.lax.scan`.
+
+    Parameters are the child `layer`'s tree with a leading `[num_layers]` axis
+    (logical axis "layers"), so compile time does not grow with depth. The layer's
+    output collection comes back stacked along that axis.
+    """
+
+    class Config(BaseLayer.Config):
+        """Configures RepeatedTransformer."""
+
+        # Model dimension.
+        input_dim: int = REQUIRED
+        # Number of repetitions.
+        num_layers: int = REQUIRED
+        # The repeated layer (may itself be a block of several layers).
+        layer: InstantiableConfig = TransformerLayer.default_config()
+
+    def __init__(self, cfg, **kwargs):
+        super().__init__(cfg, **kwargs)
+        self._add_child("layer", with_fields(self._config.layer, input_dim=self._config.input_dim))
+
+    def parameter_specs(self) -> dict:
+        n = self._config.num_layers
+
+        def stack(spec: ParameterSpec) -> ParameterSpec:
+            init = spec.initializer
+
+            def stacked_init(key, shape, dtype):
+                keys = jax.random.split(key, shape[0])
+                return jax.vmap(lambda k: init(k, shape[1:], dtype))(keys)
+
+            axes = None if spec.mesh_axes is None else ("layers", *spec.mesh_axes)
+            return ParameterSpec((n, *spec.shape), spec.dtype, stacked_init, axes, spec.weight_decay_scale)
+
+        return {"layer": jax.tree.map(stack, self.layer.parameter_specs())}
+
+    def forward(self, x: jax.Array, **kwargs) -> jax.Array:
+        ctx = self._context()
+        n = self._config.num_layers
+        key = fold_in_name(ctx.prng_key, "layer")
+        keys = None if key is None else jax.random.split(key, n)
+
+        def body(carry, xs):
+            layer_params, layer_key = xs
+            out, collection = functional(
+                self.layer, layer_params, {"x": carry, **kwargs}, layer_key, ctx.is_training
+            )
+            return out, collection
+
+        x, collections = jax.lax.scan(body, x, (ctx.state.get("layer", {}), keys))
+        for mine, stacked in zip(ctx.output_collection.child("layer"), collections):
+            mine.update(stacked)
+        return x

@@ -1,0 +1,360 @@
+"""Modules built from configs, invocation contexts and `functional()`.
+
+A `Module` is a tree node built from its config; children are added in `__init__`
+with `self._add_child(name, cfg)`. Modules hold no arrays: parameters, the PRNG key,
+the training flag and an output collection live in an `InvocationContext` that
+`functional()` opens for the root. Calling a child's public method from inside its
+parent's method enters the child's context: its slice of the parameters, a PRNG key
+folded from the child's *name* (so adding a call never changes another child's
+randomness), the same training flag, and its own branch of the output collection.
+
+Example:
+
+    model = Linear.default_config().set(input_dim=4, output_dim=2).instantiate(name="proj")
+    params = model.initialize(jax.random.key(0))
+    y, collection = functional(model, params, inputs=(x,), prng_key=None, is_training=False)
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+
+from axcore.config import ClassConfig, Configurable
+from axcore.errors import AxcoreError
+from axcore.params import ParameterSpec, fold_in_name
+
+if TYPE_CHECKING:
+    from axcore.registry import Registries
+
+# Methods of Module that never enter an invocation context.
+_NOT_IN_CONTEXT = frozenset({"parameter_specs", "abstract_parameters", "initialize"})
+
+
+class InvocationError(AxcoreError):
+    """A module method was called outside an invocation context or its parent's context."""
+
+
+class OutputCollection(NamedTuple):
+    """What a call produced besides its return value. Each dict nests by child name.
+
+    summaries: values to log (scalars, histograms), e.g. {"attention": {"entropy": x}}.
+    state_updates: new values of non-trainable state.
+    module_outputs: auxiliary outputs, e.g. {"moe": {"aux_loss": x}}.
+    """
+
+    summaries: dict
+    state_updates: dict
+    module_outputs: dict
+
+    @classmethod
+    def empty(cls) -> OutputCollection:
+        return cls({}, {}, {})
+
+    def child(self, name: str) -> OutputCollection:
+        return OutputCollection(
+            *(getattr(self, field).setdefault(name, {}) for field in self._fields)
+        )
+
+
+def _prune(tree: dict) -> dict:
+    """Drops empty sub-dicts (children that recorded nothing)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            value = _prune(value)
+            if not value:
+                continue
+        out[key] = value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class InvocationContext:
+    """The state a module method sees: its parameters, key, mode and outputs."""
+
+    module: Module
+    # The module's parameter (and state) tree.
+    state: Any
+    # PRNG key for this module, or None (e.g. evaluation without randomness).
+    prng_key: jax.Array | None
+    is_training: bool
+    output_collection: OutputCollection
+
+    def child(self, child: Module, state: Any = None) -> InvocationContext:
+        """The context of direct child `child`; `state` defaults to its slice of ours."""
+        if state is None:
+            state = self.state.get(child.name, {}) if isinstance(self.state, dict) else {}
+        return InvocationContext(
+            module=child,
+            state=state,
+            prng_key=fold_in_name(self.prng_key, child.name),
+            is_training=self.is_training,
+            output_collection=self.output_collection.child(child.name),
+        )
+
+
+_CONTEXT: contextvars.ContextVar[InvocationContext | None] = contextvars.ContextVar(
+    "axcore_invocation_context", default=None
+)
+
+
+def current_context() -> InvocationContext | None:
+    """The innermost active invocation context, or None."""
+    return _CONTEXT.get()
+
+
+class _Enter:
+    def __init__(self, ctx: InvocationContext):
+        self._ctx = ctx
+        self._token = None
+
+    def __enter__(self) -> InvocationContext:
+        self._token = _CONTEXT.set(self._ctx)
+        return self._ctx
+
+    def __exit__(self, *exc) -> None:
+        _CONTEXT.reset(self._token)
+
+
+def _context_for(module: Module) -> InvocationContext:
+    """Derives `module`'s context from the active one (an ancestor's)."""
+    ctx = current_context()
+    if ctx is None:
+        raise InvocationError(
+            f"{module.path} was called outside an invocation context; call the root "
+            f"module through axcore.functional(...)."
+        )
+    chain: list[Module] = []
+    node: Module | None = module
+    while node is not None and node is not ctx.module:
+        chain.append(node)
+        node = node.parent
+    if node is None:
+        raise InvocationError(
+            f"{module.path} was called from the context of {ctx.module.path}, which is "
+            f"not one of its ancestors; only parents may call their children."
+        )
+    for descendant in reversed(chain):
+        ctx = ctx.child(descendant)
+    return ctx
+
+
+def _in_context(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def wrapper(self: Module, *args, **kwargs):
+        ctx = current_context()
+        if ctx is not None and ctx.module is self:
+            return method(self, *args, **kwargs)
+        with _Enter(_context_for(self)):
+            return method(self, *args, **kwargs)
+
+    wrapper.__axcore_in_context__ = True
+    return wrapper
+
+
+def no_context(method: Callable) -> Callable:
+    """Marks a public Module method as plain (it does not enter an invocation context)."""
+    method.__axcore_no_context__ = True
+    return method
+
+
+class Module(Configurable):
+    """A node of the module tree. Subclasses add children and declare parameters."""
+
+    class Config(Configurable.Config):
+        """Configures Module."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name, value in list(cls.__dict__.items()):
+            if (
+                inspect.isfunction(value)
+                and not name.startswith("_")
+                and name not in _NOT_IN_CONTEXT
+                and not getattr(value, "__axcore_no_context__", False)
+                and not getattr(value, "__axcore_in_context__", False)
+            ):
+                setattr(cls, name, _in_context(value))
+
+    def __init__(
+        self,
+        cfg: ClassConfig,
+        *,
+        name: str,
+        parent: Module | None = None,
+        registries: Registries | None = None,
+    ):
+        super().__init__(cfg)
+        self._name = name
+        self._parent = parent
+        self._children: dict[str, Module] = {}
+        self._registries = registries
+
+    def __getattr__(self, name: str) -> Any:
+        children = self.__dict__.get("_children", {})
+        if name in children:
+            return children[name]
+        raise AttributeError(f"{type(self).__name__} {self.__dict__.get('_name')!r} has no attribute or child {name!r}.")
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def parent(self) -> Module | None:
+        return self._parent
+
+    @property
+    def path(self) -> str:
+        """Dotted names from the root, e.g. 'model.decoder.layer0'."""
+        return self._name if self._parent is None else f"{self._parent.path}.{self._name}"
+
+    @property
+    def children(self) -> dict[str, Module]:
+        return dict(self._children)
+
+    @property
+    def registries(self) -> Registries:
+        """Component registries of the plugin manager that built this tree.
+
+        A root instantiated without registries gets the built-in ones (no third-party
+        plugins), created on first use.
+        """
+        if self._parent is not None:
+            return self._parent.registries
+        if self._registries is None:
+            from axcore.plugins import builtin_registries  # Lazy: plugins import layers.
+
+            self._registries = builtin_registries()
+        return self._registries
+
+    def _add_child(self, name: str, cfg: ClassConfig, **kwargs) -> Module:
+        """Instantiates `cfg` as child `name` (accessible as `self.<name>`)."""
+        if name in self._children:
+            raise ValueError(f"{self.path} already has a child named {name!r}.")
+        child = cfg.instantiate(name=name, parent=self, **kwargs)
+        self._children[name] = child
+        return child
+
+    def __call__(self, *args, **kwargs) -> Any:
+        """Same as `forward`."""
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not define forward().")
+
+    # -- Parameters ---------------------------------------------------------------
+
+    def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
+        """This module's own parameters (not its children's). Override in layers."""
+        return {}
+
+    def parameter_specs(self) -> dict[str, Any]:
+        """Nested dict of `ParameterSpec` for this module and its descendants."""
+        specs: dict[str, Any] = dict(self._create_parameter_specs())
+        for name, child in self._children.items():
+            child_specs = child.parameter_specs()
+            if child_specs:
+                specs[name] = child_specs
+        return specs
+
+    def abstract_parameters(self) -> dict[str, Any]:
+        """The parameter tree as `jax.ShapeDtypeStruct`s; allocates nothing."""
+        return jax.tree.map(lambda spec: spec.abstract(), self.parameter_specs())
+
+    def initialize(self, prng_key: jax.Array) -> dict[str, Any]:
+        """Materializes `parameter_specs()`.
+
+        Each parameter's key is `prng_key` folded with every name on its path, so a
+        parameter's initial value does not depend on which other parameters exist.
+        """
+
+        def init(path, spec: ParameterSpec) -> jax.Array:
+            key = prng_key
+            for entry in path:
+                key = fold_in_name(key, str(entry.key))
+            return spec.initializer(key, spec.shape, spec.dtype)
+
+        return jax.tree_util.tree_map_with_path(init, self.parameter_specs())
+
+    # -- Inside an invocation context ----------------------------------------------
+
+    def _context(self) -> InvocationContext:
+        ctx = current_context()
+        if ctx is None or ctx.module is not self:
+            raise InvocationError(f"{self.path} accessed its context outside its own method.")
+        return ctx
+
+    @property
+    def parameters(self) -> Any:
+        """This module's parameter tree in the current call."""
+        return self._context().state
+
+    @property
+    def prng_key(self) -> jax.Array | None:
+        return self._context().prng_key
+
+    @property
+    def is_training(self) -> bool:
+        return self._context().is_training
+
+    @property
+    def output_collection(self) -> OutputCollection:
+        return self._context().output_collection
+
+    @no_context
+    def add_summary(self, name: str, value: Any) -> None:
+        """Records a summary (e.g. a scalar to log) under this module's path."""
+        self._context().output_collection.summaries[name] = value
+
+    @no_context
+    def add_module_output(self, name: str, value: Any) -> None:
+        """Records an auxiliary output (e.g. an auxiliary loss) under this module's path."""
+        self._context().output_collection.module_outputs[name] = value
+
+    @no_context
+    def add_state_update(self, name: str, value: Any) -> None:
+        """Records the new value of non-trainable state `name`."""
+        self._context().output_collection.state_updates[name] = value
+
+
+def functional(
+    module: Module,
+    state: Any,
+    inputs: Any,
+    prng_key: jax.Array | None,
+    is_training: bool,
+    method: str = "forward",
+) -> tuple[Any, OutputCollection]:
+    """Runs `module.<method>` purely on explicit arguments.
+
+    Args:
+        module: the module whose method to run; it need not be a root.
+        state: its parameter tree (as from `initialize()`).
+        inputs: a dict (keyword arguments), a tuple (positional) or a single argument.
+        prng_key: the module's PRNG key, or None.
+        is_training: the training flag its descendants see.
+        method: name of the method to call.
+
+    Returns:
+        `(outputs, output_collection)`; the collection's dicts nest by child name and
+        empty branches are dropped. Pure, so it composes with jit, grad, vmap and scan.
+    """
+    collection = OutputCollection.empty()
+    ctx = InvocationContext(module, state, prng_key, is_training, collection)
+    fn = getattr(module, method)
+    with _Enter(ctx):
+        if isinstance(inputs, dict):
+            outputs = fn(**inputs)
+        elif isinstance(inputs, tuple):
+            outputs = fn(*inputs)
+        else:
+            outputs = fn(inputs)
+    return outputs, OutputCollection(*(_prune(d) for d in collection))

@@ -1,0 +1,351 @@
+"""The plugin manager: built-ins, entry-point plugins by name, registries, transforms.
+
+`create_plugin_manager(["rope>=0.2", "moe"])` builds a manager (there is no global
+one): built-in plugins first, through the same hooks as third-party ones; then each
+requested plugin, loaded from the `axcore` entry-point group *by name* (no other
+entry point is imported); then, if a platform is given, the hardware plugin named
+after it. Set AXCORE_DISABLE_PLUGIN_AUTOLOAD=1 to load only plugins named
+explicitly (the escape hatch when an installed plugin is broken).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import inspect
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pluggy
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+
+from axcore import hookspecs
+from axcore.config import ConfigBase, from_dict
+from axcore.errors import (
+    ConfigError,
+    NoMatchError,
+    PluginError,
+    PluginLoadError,
+    PluginVersionError,
+    UnknownPluginError,
+    did_you_mean,
+)
+from axcore.registry import Provenance, Registries
+
+ENTRY_POINT_GROUP = "axcore"
+DISABLE_AUTOLOAD_ENV = "AXCORE_DISABLE_PLUGIN_AUTOLOAD"
+BUILTIN_DISTRIBUTION = "axcore"
+
+# Core modules that are plugins, registered first (like pytest's default_plugins).
+BUILTIN_PLUGINS = ("axcore.layers.plugin", "axcore.kernels.plugin")
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginRequest:
+    """One `plugins:` entry: a name and an optional version specifier."""
+
+    name: str
+    specifier: str = ""
+
+    @classmethod
+    def parse(cls, text: Any, where: str = "plugins") -> PluginRequest:
+        if not isinstance(text, str):
+            raise ConfigError(f"'{where}' entries must be plugin names, got {text!r}.")
+        try:
+            req = Requirement(text)
+        except InvalidRequirement as e:
+            raise ConfigError(
+                f"'{where}' entry {text!r} is not a plugin name with an optional version "
+                f"specifier (e.g. 'rope>=0.2'): {e}."
+            ) from None
+        if req.extras or req.marker or req.url:
+            raise ConfigError(f"'{where}' entry {text!r}: only NAME[SPECIFIER] is allowed.")
+        return cls(req.name, str(req.specifier))
+
+
+@dataclasses.dataclass
+class PluginInfo:
+    """A registered plugin."""
+
+    name: str
+    plugin: Any
+    distribution: str
+    version: str
+    # "builtin", "entry-point" or "object" (registered directly by code).
+    source: str
+    # Whether its settings and config transform are applied.
+    enabled: bool
+
+
+def autoload_disabled() -> bool:
+    return bool(os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip())
+
+
+def installed_entry_points() -> dict[str, list[importlib.metadata.EntryPoint]]:
+    """Plugin name -> entry points of that name in the `axcore` group (not imported)."""
+    found: dict[str, list[importlib.metadata.EntryPoint]] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, []).append(ep)
+    return found
+
+
+def _dist_of(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return "<unknown distribution>", "0"
+    return dist.metadata["Name"], dist.version
+
+
+class AxcorePluginManager:
+    """Wraps a pluggy PluginManager with axcore's ordering, provenance and registries."""
+
+    def __init__(self):
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self._infos: dict[str, PluginInfo] = {}
+        self._registries: Registries | None = None
+
+    # -- Registering plugins ---------------------------------------------------------
+
+    def register_plugin(
+        self,
+        plugin: Any,
+        name: str,
+        *,
+        distribution: str = "<local>",
+        version: str = "0",
+        source: str = "object",
+        enabled: bool = True,
+    ) -> PluginInfo:
+        """Registers a plugin object (module or instance) under `name`."""
+        if name in self._infos:
+            raise PluginError(f"Plugin '{name}' is already registered ({self._infos[name].distribution}).")
+        if inspect.isclass(plugin):
+            plugin = plugin()
+        try:
+            self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as e:
+            raise PluginLoadError(
+                f"Plugin '{name}' (distribution {distribution}) has an invalid hook "
+                f"implementation: {e}. Fix the plugin or remove it from `plugins:`."
+            ) from None
+        info = PluginInfo(name, plugin, distribution, version, source, enabled)
+        self._infos[name] = info
+        self._registries = None
+        return info
+
+    def check_pending(self) -> None:
+        """Raises if a plugin implements a hook that does not exist (e.g. a typo)."""
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            raise PluginLoadError(
+                f"{e}. Hook names must match axcore/hookspecs.py; fix the plugin or "
+                f"remove it from `plugins:`."
+            ) from None
+
+    @property
+    def plugins(self) -> list[PluginInfo]:
+        """All registered plugins, built-ins first, then in request order."""
+        return list(self._infos.values())
+
+    @property
+    def enabled(self) -> list[PluginInfo]:
+        return [info for info in self._infos.values() if info.enabled]
+
+    def hooks_of(self, name: str) -> list[str]:
+        """Names of the hooks plugin `name` implements."""
+        plugin = self._infos[name].plugin
+        return sorted(caller.name for caller in self.pm.get_hookcallers(plugin) or [])
+
+    # -- Calling hooks plugin by plugin ------------------------------------------------
+
+    def _call(self, info: PluginInfo, hook_name: str, **kwargs) -> list[Any]:
+        """Calls `info`'s implementations of `hook_name` with the args they declare."""
+        caller = getattr(self.pm.hook, hook_name)
+        results = []
+        for impl in caller.get_hookimpls():
+            if impl.plugin is not info.plugin:
+                continue
+            args = {name: kwargs[name] for name in impl.argnames}
+            results.append(impl.function(**args))
+        return results
+
+    @property
+    def registries(self) -> Registries:
+        """Registries filled by the registration hooks of built-in and enabled plugins."""
+        if self._registries is None:
+            self._registries = self._build_registries()
+        return self._registries
+
+    def _build_registries(self) -> Registries:
+        regs = Registries()
+        for info in self.enabled:
+            prov = Provenance(info.name, info.distribution)
+
+            def component(registry):
+                return lambda name, value, *, override=False: registry.register(name, value, prov, override)
+
+            def kernel(op, k, *, override=False):
+                regs.kernels.register(op, k, prov, override)
+
+            self._call(info, "axcore_register_layers", register=component(regs.layers))
+            self._call(info, "axcore_register_position_embeddings", register=component(regs.position_embeddings))
+            self._call(
+                info,
+                "axcore_register_attention_kernels",
+                register=lambda k, *, override=False: kernel("attention", k, override=override),
+            )
+            self._call(info, "axcore_register_kernels", register=kernel)
+            self._call(
+                info,
+                "axcore_register_mesh_rules",
+                register=lambda rule, *, override=False: regs.mesh_rules.register(
+                    getattr(rule, "name", None), rule, prov, override
+                ),
+            )
+            self._call(info, "axcore_register_checkpoint_backends", register=component(regs.checkpoint_backends))
+        regs.check_component_names()
+        return regs
+
+    def settings(self, raw: Mapping[str, Any] | None = None) -> dict[str, ConfigBase | None]:
+        """Each enabled plugin's settings, with `raw[plugin_name]` merged in.
+
+        Raises:
+            ConfigError: settings given for a plugin that takes none, or invalid ones.
+        """
+        raw = dict(raw or {})
+        out: dict[str, ConfigBase | None] = {}
+        for info in self.enabled:
+            declared = [r for r in self._call(info, "axcore_settings_config") if r is not None]
+            data = raw.pop(info.name, None)
+            if not declared:
+                if data:
+                    raise ConfigError(f"Plugin '{info.name}' takes no settings, but '{info.name}:' has {data!r}.")
+                out[info.name] = None
+                continue
+            base = declared[0]
+            out[info.name] = from_dict(data or {}, self.registries, base, path=info.name)
+        if raw:
+            names = ", ".join(sorted(raw))
+            raise ConfigError(f"Settings given for plugin(s) not enabled: {names}; add them to `plugins:`.")
+        return out
+
+    def transform_config(self, config: ConfigBase, settings: Mapping[str, ConfigBase | None] | None = None) -> ConfigBase:
+        """Runs enabled plugins' config transforms in order; returns the new tree."""
+        settings = dict(settings) if settings is not None else self.settings()
+        for info in self.enabled:
+            caller = self.pm.hook.axcore_transform_config
+            for impl in caller.get_hookimpls():
+                if impl.plugin is not info.plugin:
+                    continue
+                kwargs = {"config": config, "settings": settings.get(info.name), "registries": self.registries}
+                try:
+                    new = impl.function(**{n: kwargs[n] for n in impl.argnames})
+                except NoMatchError as e:
+                    raise NoMatchError(f"Plugin '{info.name}' found nothing to transform: {e}") from None
+                if not isinstance(new, ConfigBase):
+                    raise PluginLoadError(
+                        f"The config transform of plugin '{info.name}' ({info.distribution}) "
+                        f"returned {type(new).__name__}; it must return the new config."
+                    )
+                config = new
+        return config
+
+
+def builtin_registries() -> Registries:
+    """Registries of a manager with only the built-in plugins."""
+    return create_plugin_manager().registries
+
+
+def _load_entry_point(name: str, eps: list[importlib.metadata.EntryPoint]) -> tuple[Any, str, str]:
+    if len(eps) > 1:
+        dists = ", ".join(_dist_of(ep)[0] for ep in eps)
+        raise PluginError(f"Plugin name '{name}' is provided by several distributions ({dists}); uninstall all but one.")
+    ep = eps[0]
+    dist, version = _dist_of(ep)
+    try:
+        plugin = ep.load()
+    except Exception as e:  # Any import failure inside the plugin is reported, not swallowed.
+        raise PluginLoadError(
+            f"Plugin '{name}' (distribution {dist}) failed to import: {type(e).__name__}: {e}. "
+            f"Remove it from `plugins:`, uninstall it (pip uninstall {dist}), or set "
+            f"{DISABLE_AUTOLOAD_ENV}=1 if it is loaded automatically."
+        ) from e
+    return plugin, dist, version
+
+
+def create_plugin_manager(
+    plugins: Sequence[str] = (),
+    *,
+    objects: Mapping[str, Any] | None = None,
+    platform: str | None = None,
+) -> AxcorePluginManager:
+    """Builds a plugin manager.
+
+    Args:
+        plugins: the experiment's `plugins:` list, e.g. `["rope>=0.2", "moe"]`, enabled
+            in this order.
+        objects: plugin objects registered directly by code, by name; a requested name
+            is looked up here before the entry points.
+        platform: the detected platform ("gpu", "tpu", ...); the entry point of that
+            name is loaded too unless AXCORE_DISABLE_PLUGIN_AUTOLOAD is set.
+
+    Raises:
+        UnknownPluginError: a requested name is neither given nor installed (the
+            message lists the installed names).
+        PluginVersionError: an installed version does not satisfy the specifier.
+        PluginLoadError: a plugin fails to import or has invalid hook implementations.
+    """
+    manager = AxcorePluginManager()
+    for module_name in BUILTIN_PLUGINS:
+        module = importlib.import_module(module_name)
+        manager.register_plugin(module, module_name, distribution=BUILTIN_DISTRIBUTION, version=_core_version(), source="builtin")
+    objects = dict(objects or {})
+    requests = [PluginRequest.parse(p, f"plugins[{i}]") for i, p in enumerate(plugins)]
+    names = [r.name for r in requests]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"'plugins' lists {', '.join(dupes)} more than once; list each plugin once.")
+    entry_points: dict[str, list] | None = None
+    for request in requests:
+        if request.name in objects:
+            manager.register_plugin(objects[request.name], request.name)
+            continue
+        if entry_points is None:
+            entry_points = installed_entry_points()
+        eps = entry_points.get(request.name) or entry_points.get(canonicalize_name(request.name))
+        if not eps:
+            installed = sorted(set(entry_points) | set(objects))
+            raise UnknownPluginError(
+                f"Unknown plugin '{request.name}' in `plugins:`{did_you_mean(request.name, installed)}; "
+                f"installed plugins: {', '.join(installed) or 'none'}. Install its package "
+                f"(e.g. pip install axcore-{request.name}) or fix the name."
+            )
+        dist, version = _dist_of(eps[0])
+        if request.specifier and not SpecifierSet(request.specifier).contains(version, prereleases=True):
+            raise PluginVersionError(
+                f"Plugin '{request.name}' {request.specifier} was asked for, but {dist} {version} "
+                f"is installed; install a matching version or relax the specifier."
+            )
+        plugin, dist, version = _load_entry_point(request.name, eps)
+        manager.register_plugin(plugin, request.name, distribution=dist, version=version, source="entry-point")
+    if platform and not autoload_disabled() and platform not in manager._infos:
+        if entry_points is None:
+            entry_points = installed_entry_points()
+        if platform in entry_points:
+            plugin, dist, version = _load_entry_point(platform, entry_points[platform])
+            manager.register_plugin(plugin, platform, distribution=dist, version=version, source="entry-point")
+    manager.check_pending()
+    return manager
+
+
+def _core_version() -> str:
+    try:
+        return importlib.metadata.version(BUILTIN_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
