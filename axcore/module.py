@@ -25,10 +25,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from axcore.config import ClassConfig, Configurable
 from axcore.errors import AxcoreError
-from axcore.params import ParameterSpec, fold_in_name
+from axcore.params import ParameterSpec, fold_in_name, name_to_int
 
 if TYPE_CHECKING:
     from axcore.registry import Registries
@@ -272,15 +273,14 @@ class Module(Configurable):
     def initialize(self, prng_key: jax.Array) -> dict[str, Any]:
         """Materializes `parameter_specs()`.
 
-        Each parameter's key is `prng_key` folded with every name on its path, so a
-        parameter's initial value does not depend on which other parameters exist.
+        Parameter `a/b/w` is drawn with key `fold_in(prng_key, name_to_int("a/b/w"))`,
+        so its value depends only on its path, never on which other parameters exist
+        or their order. Works eagerly and under `jax.jit` (e.g. with out_shardings).
         """
 
         def init(path, spec: ParameterSpec) -> jax.Array:
-            key = prng_key
-            for entry in path:
-                key = fold_in_name(key, str(entry.key))
-            return spec.initializer(key, spec.shape, spec.dtype)
+            name = "/".join(str(entry.key) for entry in path)
+            return _draw(prng_key, name_to_int(name), spec)
 
         return jax.tree_util.tree_map_with_path(init, self.parameter_specs())
 
@@ -323,6 +323,28 @@ class Module(Configurable):
     def add_state_update(self, name: str, value: Any) -> None:
         """Records the new value of non-trainable state `name`."""
         self._context().output_collection.state_updates[name] = value
+
+
+@functools.partial(jax.jit, static_argnames=("initializer", "shape", "dtype"))
+def _draw_compiled(key, name_hash, *, initializer, shape, dtype):
+    return initializer(jax.random.fold_in(key, name_hash), shape, dtype)
+
+
+def _draw(key: jax.Array, name_hash: int, spec: ParameterSpec) -> jax.Array:
+    """`spec.initializer(fold_in(key, name_hash), shape, dtype)`.
+
+    Eagerly, every (initializer, shape, dtype) compiles once per process and is
+    reused (op-by-op dispatch of a random initializer would compile every op, which
+    costs seconds on CPU); under an outer jit this simply inlines.
+    """
+    data = jnp.asarray(name_hash, jnp.uint32)
+    try:
+        hash(spec.initializer)
+    except TypeError:  # An unhashable custom initializer runs as given.
+        return spec.initializer(jax.random.fold_in(key, data), spec.shape, spec.dtype)
+    return _draw_compiled(
+        key, data, initializer=spec.initializer, shape=spec.shape, dtype=jnp.dtype(spec.dtype)
+    )
 
 
 def functional(

@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from axcore.config import ConfigBase
 
@@ -57,14 +56,20 @@ def fold_in_name(key: jax.Array | None, name: str) -> jax.Array | None:
     return None if key is None else jax.random.fold_in(key, name_to_int(name))
 
 
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """Initializer: all entries equal `value`."""
+
+    value: float
+
+    def __call__(self, key, shape, dtype):
+        del key
+        return jnp.full(shape, self.value, dtype)
+
+
 def constant(value: float) -> Initializer:
     """All entries equal `value`."""
-
-    def init(key, shape, dtype):
-        del key
-        return jnp.full(shape, value, dtype)
-
-    return init
+    return Constant(value)
 
 
 class Distribution(enum.Enum):
@@ -106,31 +111,39 @@ class ParamInit(ConfigBase):
 
     def initializer(self, fan_axes: FanAxes | None) -> Initializer:
         """The initializer for a weight whose fans are given by `fan_axes`."""
-        cfg = self.clone()
-
-        def init(key, shape, dtype):
-            if cfg.fan is FanMode.NONE or fan_axes is None:
-                std = cfg.scale
-            else:
-                fan_in, fan_out = fan_axes.fans(shape)
-                fan = {
-                    FanMode.FAN_IN: fan_in,
-                    FanMode.FAN_OUT: fan_out,
-                    FanMode.FAN_AVG: (fan_in + fan_out) / 2,
-                }[cfg.fan]
-                std = cfg.scale / math.sqrt(fan)
-            if cfg.distribution is Distribution.NORMAL:
-                sample = jax.random.normal(key, shape, jnp.float32) * std
-            elif cfg.distribution is Distribution.TRUNCATED_NORMAL:
-                # A standard normal truncated to [-2, 2] has std 0.87962566.
-                sample = jax.random.truncated_normal(key, -2.0, 2.0, shape) * (std / 0.87962566)
-            else:
-                limit = std * math.sqrt(3.0)
-                sample = jax.random.uniform(key, shape, jnp.float32, -limit, limit)
-            return sample.astype(dtype)
-
-        return init
+        return VarianceScaling(self.distribution, self.scale, self.fan, fan_axes)
 
 
-def as_numpy_dtype(dtype: Any) -> np.dtype:
-    return np.dtype(jnp.dtype(dtype))
+@dataclasses.dataclass(frozen=True)
+class VarianceScaling:
+    """Initializer: std = scale / sqrt(fan), drawn from `distribution`.
+
+    A hashable value (like `Constant`), so `Module.initialize` can draw all
+    parameters that share an initializer, shape and dtype in one vectorized call.
+    """
+
+    distribution: Distribution
+    scale: float
+    fan: FanMode
+    fan_axes: FanAxes | None
+
+    def __call__(self, key, shape, dtype):
+        if self.fan is FanMode.NONE or self.fan_axes is None:
+            std = self.scale
+        else:
+            fan_in, fan_out = self.fan_axes.fans(shape)
+            fan = {
+                FanMode.FAN_IN: fan_in,
+                FanMode.FAN_OUT: fan_out,
+                FanMode.FAN_AVG: (fan_in + fan_out) / 2,
+            }[self.fan]
+            std = self.scale / math.sqrt(fan)
+        if self.distribution is Distribution.NORMAL:
+            sample = jax.random.normal(key, shape, jnp.float32) * std
+        elif self.distribution is Distribution.TRUNCATED_NORMAL:
+            # A standard normal truncated to [-2, 2] has std 0.87962566.
+            sample = jax.random.truncated_normal(key, -2.0, 2.0, shape) * (std / 0.87962566)
+        else:
+            limit = std * math.sqrt(3.0)
+            sample = jax.random.uniform(key, shape, jnp.float32, -limit, limit)
+        return sample.astype(dtype)

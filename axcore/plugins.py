@@ -131,7 +131,8 @@ class AxcorePluginManager:
         except pluggy.PluginValidationError as e:
             raise PluginLoadError(
                 f"Plugin '{name}' (distribution {distribution}) has an invalid hook "
-                f"implementation: {e}. Fix the plugin or remove it from `plugins:`."
+                f"implementation: {' '.join(str(e).split())} Fix the plugin or remove it "
+                f"from `plugins:`."
             ) from None
         info = PluginInfo(name, plugin, distribution, version, source, enabled)
         self._infos[name] = info
@@ -144,7 +145,7 @@ class AxcorePluginManager:
             self.pm.check_pending()
         except pluggy.PluginValidationError as e:
             raise PluginLoadError(
-                f"{e}. Hook names must match axcore/hookspecs.py; fix the plugin or "
+                f"{' '.join(str(e).split())}. Hook names must match axcore/hookspecs.py; fix the plugin or "
                 f"remove it from `plugins:`."
             ) from None
 

@@ -77,12 +77,16 @@ def _to_plain(value: Any, resolver: Resolver, path: str) -> Any:
 
 
 def to_dict(cfg: ConfigBase, resolver: Resolver, path: str = "") -> dict[str, Any]:
-    """The tree as plain YAML-safe data; instantiable nodes carry `type: <name>`."""
+    """The tree as plain YAML-safe data; instantiable nodes carry `type: <name>`.
+
+    Fields still REQUIRED are omitted (a parent usually sets them, e.g. input_dim).
+    """
     out: dict[str, Any] = {}
     if isinstance(cfg, InstantiableConfig):
         out[TYPE_KEY] = _name_of(cfg, resolver, path)
     for name, value in cfg.items():
-        out[name] = _to_plain(value, resolver, join_path(path, name))
+        if value is not REQUIRED:  # Unset required fields are left out; reading keeps them unset.
+            out[name] = _to_plain(value, resolver, join_path(path, name))
     return out
 
 

@@ -8,6 +8,8 @@ the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -18,7 +20,7 @@ from axcore.layers.base import BaseLayer, with_fields
 from axcore.layers.basic import RMSNorm
 from axcore.layers.feed_forward import FeedForward
 from axcore.module import functional
-from axcore.params import ParameterSpec, fold_in_name
+from axcore.params import Initializer, ParameterSpec, fold_in_name
 
 
 class TransformerLayer(BaseLayer):
@@ -93,6 +95,17 @@ class StackedTransformer(BaseLayer):
         return x
 
 
+@dataclasses.dataclass(frozen=True)
+class StackedInitializer:
+    """Draws `shape[0]` independent values of `inner` (one per layer) and stacks them."""
+
+    inner: Initializer
+
+    def __call__(self, key, shape, dtype):
+        keys = jax.random.split(key, shape[0])
+        return jax.vmap(lambda k: self.inner(k, shape[1:], dtype))(keys)
+
+
 class RepeatedTransformer(BaseLayer):
     """One layer config applied `num_layers` times with `jax.lax.scan`.
 
@@ -119,14 +132,9 @@ class RepeatedTransformer(BaseLayer):
         n = self._config.num_layers
 
         def stack(spec: ParameterSpec) -> ParameterSpec:
-            init = spec.initializer
-
-            def stacked_init(key, shape, dtype):
-                keys = jax.random.split(key, shape[0])
-                return jax.vmap(lambda k: init(k, shape[1:], dtype))(keys)
-
             axes = None if spec.mesh_axes is None else ("layers", *spec.mesh_axes)
-            return ParameterSpec((n, *spec.shape), spec.dtype, stacked_init, axes, spec.weight_decay_scale)
+            init = StackedInitializer(spec.initializer)
+            return ParameterSpec((n, *spec.shape), spec.dtype, init, axes, spec.weight_decay_scale)
 
         return {"layer": jax.tree.map(stack, self.layer.parameter_specs())}
 

@@ -1,0 +1,11 @@
+"""Shared fixtures."""
+
+import pytest
+
+from axcore.plugins import builtin_registries
+
+
+@pytest.fixture(scope="session")
+def registries():
+    """Registries of a plugin manager with only the built-in plugins."""
+    return builtin_registries()

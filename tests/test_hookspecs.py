@@ -1,0 +1,38 @@
+"""Meta-tests: every hook is documented and exercised by a test."""
+
+import ast
+import inspect
+import pathlib
+
+import pytest
+
+from axcore import hookspecs
+
+TESTS = pathlib.Path(__file__).parent
+HOOKS = [name for name, fn in vars(hookspecs).items() if name.startswith("axcore_") and inspect.isfunction(fn)]
+
+
+def test_hooks_exist():
+    assert len(HOOKS) >= 8
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_hook_is_documented(hook):
+    doc = inspect.getdoc(getattr(hookspecs, hook))
+    assert doc and len(doc.split()) > 30, hook
+    assert "Returns" in doc and "Called" in doc, f"{hook}: say the return contract and when it is called"
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_hook_has_a_test_implementing_it(hook):
+    implemented = set()
+    for path in TESTS.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("axcore_"):
+                implemented.add(node.name)
+    assert hook in implemented, f"no test implements {hook}"
+
+
+def test_hookspec_module_holds_only_specs():
+    names = {n for n, f in vars(hookspecs).items() if inspect.isfunction(f) and f.__module__ == hookspecs.__name__}
+    assert names == set(HOOKS)
