@@ -1,70 +1,91 @@
 """axcore: a plugin-based large-model training framework on JAX.
 
-Public API; plugin authors need `hookimpl`, the config types, `Module` and the
-layers they build on.
+The public API is re-exported here lazily (PEP 562), so that `import axcore` (and
+`axcore --help`) does not import JAX until a name that needs it is used.
 """
 
-from axcore.config import (
-    REQUIRED,
-    ConfigBase,
-    Configurable,
-    InstantiableConfig,
-    config_for_class,
-    config_for_function,
-)
-from axcore.errors import (
-    AxcoreError,
-    ConfigError,
-    ConfigTypeError,
-    DuplicateComponentError,
-    KernelNotSupportedError,
-    MissingRequiredError,
-    NoMatchError,
-    PluginError,
-    PluginLoadError,
-    PluginVersionError,
-    UnknownComponentError,
-    UnknownFieldError,
-    UnknownPluginError,
-)
-from axcore.hookspecs import hookimpl, hookspec
-from axcore.module import InvocationContext, Module, OutputCollection, functional
-from axcore.params import ParameterSpec
-from axcore.plugins import AxcorePluginManager, PluginRequest, create_plugin_manager
-from axcore.registry import Registries, Registry
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "REQUIRED",
-    "AxcoreError",
-    "AxcorePluginManager",
-    "ConfigBase",
-    "ConfigError",
-    "ConfigTypeError",
-    "Configurable",
-    "DuplicateComponentError",
-    "InstantiableConfig",
-    "InvocationContext",
-    "KernelNotSupportedError",
-    "MissingRequiredError",
-    "Module",
-    "NoMatchError",
-    "OutputCollection",
-    "ParameterSpec",
-    "PluginError",
-    "PluginLoadError",
-    "PluginRequest",
-    "PluginVersionError",
-    "Registries",
-    "Registry",
-    "UnknownComponentError",
-    "UnknownFieldError",
-    "UnknownPluginError",
-    "config_for_class",
-    "config_for_function",
-    "create_plugin_manager",
-    "functional",
-    "hookimpl",
-    "hookspec",
-]
+_EXPORTS = {
+    "axcore.config": [
+        "REQUIRED",
+        "ConfigBase",
+        "Configurable",
+        "InstantiableConfig",
+        "config_for_class",
+        "config_for_function",
+    ],
+    "axcore.errors": [
+        "AxcoreError",
+        "ConfigError",
+        "ConfigTypeError",
+        "DuplicateComponentError",
+        "KernelNotSupportedError",
+        "MissingRequiredError",
+        "NoMatchError",
+        "PluginError",
+        "PluginLoadError",
+        "PluginVersionError",
+        "UnknownComponentError",
+        "UnknownFieldError",
+        "UnknownPluginError",
+    ],
+    "axcore.hookspecs": ["hookimpl", "hookspec"],
+    "axcore.module": ["InvocationContext", "Module", "OutputCollection", "functional"],
+    "axcore.params": ["ParameterSpec"],
+    "axcore.plugins": ["AxcorePluginManager", "PluginRequest", "create_plugin_manager"],
+    "axcore.registry": ["Registries", "Registry"],
+    "axcore.experiment": ["Experiment", "ExperimentConfig", "load_experiment"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'axcore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from axcore.config import (
+        REQUIRED,
+        ConfigBase,
+        Configurable,
+        InstantiableConfig,
+        config_for_class,
+        config_for_function,
+    )
+    from axcore.errors import (
+        AxcoreError,
+        ConfigError,
+        ConfigTypeError,
+        DuplicateComponentError,
+        KernelNotSupportedError,
+        MissingRequiredError,
+        NoMatchError,
+        PluginError,
+        PluginLoadError,
+        PluginVersionError,
+        UnknownComponentError,
+        UnknownFieldError,
+        UnknownPluginError,
+    )
+    from axcore.experiment import Experiment, ExperimentConfig, load_experiment
+    from axcore.hookspecs import hookimpl, hookspec
+    from axcore.module import InvocationContext, Module, OutputCollection, functional
+    from axcore.params import ParameterSpec
+    from axcore.plugins import AxcorePluginManager, PluginRequest, create_plugin_manager
+    from axcore.registry import Registries, Registry

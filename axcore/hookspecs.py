@@ -143,6 +143,21 @@ def axcore_register_checkpoint_backends(register: RegisterComponent) -> None:
     """
 
 
+@hookspec
+def axcore_register_data_sources(register: RegisterComponent) -> None:
+    """Register input data sources that configs can name with `type: <name>`.
+
+    Args:
+        register: `register(name, source_class, *, override=False)`; the class must
+            subclass `axcore.data.DataSource` (a Configurable whose `tokens(split)`
+            returns a 1-D token array).
+
+    Returns nothing. Called like the other registration hooks (built-ins first, then
+    enabled plugins in `plugins:` order; the same duplicate-name rule). Names share
+    the config namespace with layers and position embeddings.
+    """
+
+
 # -- Phase 2: settings -------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from axcore.errors import AxcoreError
+from axcore.hookspecs import hookimpl
 
 # A config modifier takes a config tree and returns a new one (never edits in place).
 ConfigModifier = Callable[[Any], Any]
@@ -60,3 +61,35 @@ def select_mesh_rule(rules: Sequence[MeshRule], instance_type: str) -> MeshRule:
         f"{', '.join(r.name for r in rules) or 'none'}. Install the hardware plugin for "
         f"this platform or pass a mesh selector."
     )
+
+
+def detect_instance_type() -> str:
+    """`<platform>[-<device kind>]-<device count>` of the running JAX, e.g. `cpu-8`, `gpu-h100-8`."""
+    import jax  # Deferred: only runs when a run is being laid out.
+
+    devices = jax.devices()
+    platform = devices[0].platform
+    if platform == "cpu":
+        return f"cpu-{len(devices)}"
+    kind = devices[0].device_kind.lower()
+    for token in re.split(r"[^a-z0-9]+", kind):
+        if re.fullmatch(r"[a-z]+\d+[a-z]*", token):  # e.g. h100, a100, v5p, trn2.
+            kind = token
+            break
+    return f"{platform}-{kind}-{len(devices)}"
+
+
+# The fallback for any instance type: data parallelism over every device.
+DEFAULT_RULE = MeshRule(
+    name="default",
+    instance_type=".*",
+    mesh_shape=(-1,),
+    mesh_axis_names=("data",),
+    axis_rules={},
+    priority=-1000,
+)
+
+
+@hookimpl
+def axcore_register_mesh_rules(register):
+    register(DEFAULT_RULE)

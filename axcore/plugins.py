@@ -41,7 +41,13 @@ DISABLE_AUTOLOAD_ENV = "AXCORE_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_DISTRIBUTION = "axcore"
 
 # Core modules that are plugins, registered first (like pytest's default_plugins).
-BUILTIN_PLUGINS = ("axcore.layers.plugin", "axcore.kernels.plugin")
+BUILTIN_PLUGINS = (
+    "axcore.layers.plugin",
+    "axcore.kernels.plugin",
+    "axcore.mesh",
+    "axcore.data.plugin",
+    "axcore.checkpoint.plugin",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +216,7 @@ class AxcorePluginManager:
                 ),
             )
             self._call(info, "axcore_register_checkpoint_backends", register=component(regs.checkpoint_backends))
+            self._call(info, "axcore_register_data_sources", register=component(regs.data_sources))
         regs.check_component_names()
         return regs
 
@@ -350,3 +357,31 @@ def _core_version() -> str:
         return importlib.metadata.version(BUILTIN_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         return "0+unknown"
+
+
+def describe_plugins(enabled: Sequence[str] = ()) -> list[tuple[str, str, str, str, str]]:
+    """Rows `(name, distribution, version, enabled, hooks)` for built-ins and installed plugins.
+
+    Installed plugins are imported to list their hooks unless autoloading is
+    disabled; one that fails to import is listed with the error instead of hooks.
+    """
+    wanted = {PluginRequest.parse(p).name for p in enabled}
+    manager = create_plugin_manager()
+    rows = [
+        (info.name, info.distribution, info.version, "built-in", ", ".join(manager.hooks_of(info.name)))
+        for info in manager.plugins
+    ]
+    for name, eps in sorted(installed_entry_points().items()):
+        dist, version = _dist_of(eps[0])
+        state = "yes" if name in wanted else "no"
+        if autoload_disabled() and name not in wanted:
+            rows.append((name, dist, version, state, f"(not imported: {DISABLE_AUTOLOAD_ENV} is set)"))
+            continue
+        try:
+            plugin, dist, version = _load_entry_point(name, eps)
+            manager.register_plugin(plugin, name, distribution=dist, version=version, enabled=False)
+            hooks = ", ".join(manager.hooks_of(name))
+        except PluginError as e:
+            hooks = f"(broken: {' '.join(str(e).split())})"
+        rows.append((name, dist, version, state, hooks))
+    return rows

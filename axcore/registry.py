@@ -103,15 +103,24 @@ def module_class_validator(base: type) -> Callable[[str, Any], str | None]:
     return validate
 
 
+def instance_validator(kind: type) -> Callable[[str, Any], str | None]:
+    def validate(name: str, value: Any) -> str | None:
+        return None if isinstance(value, kind) else f"expected a {kind.__name__}, got {value!r}"
+
+    return validate
+
+
 class Registries:
     """All registries of one plugin manager. Also the config name `Resolver`.
 
-    Configs can name components of the `layers` and `position_embeddings`
-    registries; one name may not appear in both.
+    Configs can name components of the `layers`, `position_embeddings` and
+    `data_sources` registries; one name may not appear in two of them.
     """
 
     def __init__(self):
+        from axcore.config import Configurable
         from axcore.kernels.registry import KernelRegistry  # Cycle: kernels use the registry.
+        from axcore.mesh import MeshRule
         from axcore.module import Module
 
         self.layers: Registry[type] = Registry("layer", module_class_validator(Module))
@@ -119,11 +128,12 @@ class Registries:
             "position embedding", module_class_validator(Module)
         )
         self.kernels = KernelRegistry()
-        self.mesh_rules: Registry[Any] = Registry("mesh rule")
+        self.mesh_rules: Registry[Any] = Registry("mesh rule", instance_validator(MeshRule))
         self.checkpoint_backends: Registry[Any] = Registry("checkpoint backend", _callable)
+        self.data_sources: Registry[type] = Registry("data source", module_class_validator(Configurable))
 
     def _component_registries(self) -> list[Registry]:
-        return [self.layers, self.position_embeddings]
+        return [self.layers, self.position_embeddings, self.data_sources]
 
     def lookup(self, name: str) -> Any:
         """The class a config's `type: <name>` refers to."""
@@ -144,14 +154,16 @@ class Registries:
         return None
 
     def check_component_names(self) -> None:
-        """Raises if one name is both a layer and a position embedding."""
-        both = set(self.layers) & set(self.position_embeddings)
-        for name in sorted(both):
-            a, b = self.layers.entry(name), self.position_embeddings.entry(name)
-            raise DuplicateComponentError(
-                f"'{name}' is registered both as a layer by {a.provenance} and as a "
-                f"position embedding by {b.provenance}; config names must be unique."
-            )
+        """Raises if one config name is registered in two component registries."""
+        registries = self._component_registries()
+        for i, first in enumerate(registries):
+            for second in registries[i + 1 :]:
+                for name in sorted(set(first) & set(second)):
+                    a, b = first.entry(name), second.entry(name)
+                    raise DuplicateComponentError(
+                        f"'{name}' is registered both as a {first.kind} by {a.provenance} and "
+                        f"as a {second.kind} by {b.provenance}; config names must be unique."
+                    )
 
 
 def _callable(name: str, value: Any) -> str | None:

@@ -9,3 +9,10 @@ from axcore.plugins import builtin_registries
 def registries():
     """Registries of a plugin manager with only the built-in plugins."""
     return builtin_registries()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--update-goldens", action="store_true", default=False,
+        help="rewrite tests/golden/*.txt from the current resolved configs",
+    )

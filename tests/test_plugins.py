@@ -199,6 +199,10 @@ class RegistersEverything:
     def axcore_register_checkpoint_backends(self, register):
         register(self._name("raw"), dict, override=self.override)
 
+    @axcore.hookimpl
+    def axcore_register_data_sources(self, register):
+        register(self._name("lines"), axcore.Configurable, override=self.override)
+
 
 def test_every_registration_hook_fills_its_registry():
     regs = axcore.create_plugin_manager(["all"], objects={"all": RegistersEverything(override=True)}).registries
@@ -208,6 +212,7 @@ def test_every_registration_hook_fills_its_registry():
     assert regs.kernels.candidates("rms_norm")[0].name == "norm_fake"
     assert select_mesh_rule([regs.mesh_rules[n] for n in regs.mesh_rules], "cpu-8").name == "cpu"
     assert regs.checkpoint_backends["raw"] is dict
+    assert regs.lookup("lines") is axcore.Configurable  # Data sources are config-nameable.
     assert regs.layers.entry("linear").provenance.plugin == "all"
 
 
@@ -223,7 +228,8 @@ def test_duplicate_name_names_both_distributions():
 
 
 @pytest.mark.parametrize(
-    "kind", ["layer", "position embedding", "'attention' kernel", "'rms_norm' kernel", "mesh rule", "checkpoint backend"]
+    "kind",
+    ["layer", "position embedding", "'attention' kernel", "'rms_norm' kernel", "mesh rule", "checkpoint backend", "data source"],
 )
 def test_duplicates_between_two_plugins_in_every_registry(kind):
     class Only(RegistersEverything):
@@ -231,7 +237,7 @@ def test_duplicates_between_two_plugins_in_every_registry(kind):
 
         def _name(self, k):
             wanted = {"layer": "linear", "position embedding": "learned_position_embedding",
-                      "mesh rule": "cpu", "checkpoint backend": "raw",
+                      "mesh rule": "cpu", "checkpoint backend": "raw", "data source": "lines",
                       "'rms_norm' kernel": "norm_fake"}.get(kind, "fake")
             return "x_" + k if k == wanted else self.prefix + k
 
@@ -294,4 +300,5 @@ def test_hook_with_unknown_argument_fails_loudly():
 def test_hooks_of_and_plugin_listing():
     pm = axcore.create_plugin_manager(["mine"], objects={"mine": ThrowawayPlugin})
     assert pm.hooks_of("mine") == ["axcore_register_layers", "axcore_settings_config", "axcore_transform_config"]
-    assert [p.source for p in pm.plugins] == ["builtin", "builtin", "object"]
+    assert [p.source for p in pm.plugins][-1] == "object"
+    assert {p.source for p in pm.plugins[:-1]} == {"builtin"}

@@ -12,6 +12,7 @@ default config. A full dump read back onto nothing gives an equal tree.
 from __future__ import annotations
 
 import enum
+import re
 import inspect
 import math
 import types
@@ -33,6 +34,26 @@ from axcore.config.traversal import join_path, split_path
 from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
 
 TYPE_KEY = "type"
+
+
+class _SafeLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that also reads `1e-4` and `3E5` as floats (YAML 1.2 floats).
+
+    PyYAML follows YAML 1.1, where a float needs a dot (`1.0e-4`); `lr: 1e-4` would
+    otherwise be the string "1e-4".
+    """
+
+
+_SafeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def safe_load(text: str) -> Any:
+    """Parses YAML with a safe loader (no Python object construction)."""
+    return yaml.load(text, Loader=_SafeLoader)  # noqa: S506 - a SafeLoader subclass.
 
 
 class Resolver(Protocol):
@@ -206,7 +227,7 @@ def _update_items(current, updates: dict, resolver, path, annotation):
 def from_yaml(text: str, resolver: Resolver, base: ConfigBase | None = None) -> ConfigBase:
     """Parses YAML (safe loader) into a config merged onto `base`."""
     try:
-        data = yaml.safe_load(text)
+        data = safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"Invalid YAML: {e}".replace("\n", " ")) from e
     return from_dict(data if data is not None else {}, resolver, base)
@@ -232,14 +253,15 @@ def flatten(cfg: ConfigBase, resolver: Resolver) -> list[tuple[str, Any]]:
     return out
 
 
-def _format_value(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A leaf as it appears after `path: ` in a flat dump (YAML flow style)."""
     text = yaml.safe_dump([value], default_flow_style=True, width=math.inf).strip()
     return text[1:-1]  # Strip the wrapping list's brackets.
 
 
 def dump_flat(cfg: ConfigBase, resolver: Resolver) -> str:
     """One `path: value` line per leaf, in declaration order; stable across runs."""
-    return "".join(f"{path}: {_format_value(value)}\n" for path, value in flatten(cfg, resolver))
+    return "".join(f"{path}: {format_value(value)}\n" for path, value in flatten(cfg, resolver))
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -249,13 +271,14 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not path:
         raise ConfigError(f"Override '{text}' must look like PATH=VALUE, e.g. model.num_layers=2.")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"Override '{text}': value is not valid YAML ({e}).") from e
     return path, value
 
 
-def _nest(path: str, value: Any) -> dict:
+def nest_path(path: str, value: Any) -> dict:
+    """`('a.b[1]', v)` -> `{'a': {'b': {1: v}}}` (the form `from_dict` merges)."""
     try:
         tokens = split_path(path)
     except ValueError as e:
@@ -270,5 +293,5 @@ def apply_overrides(cfg: ConfigBase, overrides: Sequence[str], resolver: Resolve
     """Returns a new tree with `PATH=VALUE` overrides applied, validated like YAML."""
     for text in overrides:
         path, value = parse_override(text)
-        cfg = from_dict(_nest(path, value), resolver, cfg)
+        cfg = from_dict(nest_path(path, value), resolver, cfg)
     return cfg

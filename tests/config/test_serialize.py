@@ -136,3 +136,9 @@ def test_override_into_list_element_and_type(registries):
 def test_override_errors(registries, override, error, pattern):
     with pytest.raises(error, match=pattern):
         apply_overrides(_lm(), [override], registries)
+
+
+def test_exponent_floats_without_a_dot_are_floats(registries):
+    cfg = apply_overrides(_lm(), ["z_loss_scale=1e-4"], registries)
+    assert cfg.z_loss_scale == 1e-4
+    assert from_yaml("z_loss_scale: 2E3\n", registries, _lm()).z_loss_scale == 2000.0

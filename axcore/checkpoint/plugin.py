@@ -1,0 +1,35 @@
+"""Built-in plugin: the orbax and tensorstore checkpoint backends.
+
+The factories import their storage library only when called, so loading this plugin
+(e.g. for `axcore plugins`) stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+
+from axcore.checkpoint.base import CheckpointBackend
+from axcore.hookspecs import hookimpl
+
+
+def orbax(directory: str | os.PathLike, *, keep_last_n: int | None = 3, async_save: bool = True) -> CheckpointBackend:
+    """An `OrbaxBackend` (orbax-checkpoint's CheckpointManager) writing to `directory`."""
+    from axcore.checkpoint.orbax_backend import OrbaxBackend
+
+    return OrbaxBackend(directory, keep_last_n=keep_last_n, async_save=async_save)
+
+
+def tensorstore(directory: str | os.PathLike, *, keep_last_n: int | None = 3, async_save: bool = True) -> CheckpointBackend:
+    """A `TensorStoreBackend` (zarr3 arrays written with tensorstore) writing to `directory`."""
+    from axcore.checkpoint.tensorstore_backend import TensorStoreBackend
+
+    return TensorStoreBackend(directory, keep_last_n=keep_last_n, async_save=async_save)
+
+
+BACKENDS = {"orbax": orbax, "tensorstore": tensorstore}
+
+
+@hookimpl
+def axcore_register_checkpoint_backends(register):
+    for name, factory in BACKENDS.items():
+        register(name, factory)

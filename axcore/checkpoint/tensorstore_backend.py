@@ -1,0 +1,353 @@
+"""The `tensorstore` checkpoint backend: one zarr3 array per leaf, written with tensorstore.
+
+Layout of one step::
+
+    <directory>/step_00000100/
+        arrays/<name>/          one zarr3 array per leaf; <name> is the sanitized tree
+                                path (`opt.0.mu.w` for `['opt'][0].mu['w']`)
+        index.json              format, step, metadata and, per leaf, path/name/shape/dtype
+        COMMITTED               written last (temp file + os.replace); only steps with it count
+
+`save` copies every addressable shard whose `replica_id` is 0 to host memory before
+it returns (so the caller may donate or delete the arrays), then a background thread
+writes each copy into its region of the leaf's array; chunks are the saved
+sharding's shards (split further above 64 MiB), so no two processes write one chunk.
+With several processes, each writes only its own shards and then `done.<process>`;
+process 0 waits for all of them, writes `index.json` and `COMMITTED`, and prunes old
+steps. `restore` reads, for each leaf, only the slices the target sharding places on
+this process's devices.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from axcore.checkpoint import _tree
+from axcore.checkpoint.base import CheckpointError, PyTree
+
+log = logging.getLogger(__name__)
+
+_FORMAT = "axcore.tensorstore/1"
+COMMIT_MARKER = "COMMITTED"
+INDEX_FILE = "index.json"
+ARRAYS_DIR = "arrays"
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+# Largest chunk written; bigger shards are split (along dimensions that halve evenly).
+_MAX_CHUNK_BYTES = 64 << 20
+_Index = tuple[tuple[int, int], ...]  # (start, stop) per dimension.
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+@dataclass
+class _Leaf:
+    """One leaf being saved: where it goes and this process's host copies of it."""
+
+    path: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk: tuple[int, ...]
+    pieces: list[tuple[_Index, np.ndarray]] = field(default_factory=list)
+
+    def entry(self) -> dict:
+        return {"path": self.path, "name": self.name, "shape": list(self.shape), "dtype": self.dtype.name}
+
+
+class TensorStoreBackend:
+    """Checkpoints as zarr3 arrays written with tensorstore (see module docstring)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        keep_last_n: int | None = 3,
+        async_save: bool = True,
+        commit_timeout_s: float = 1800.0,
+    ):
+        # Absolute path of the checkpoint directory (created if missing).
+        self.directory = os.path.abspath(os.fspath(directory))
+        # How many committed steps to keep (oldest deleted first); None keeps all.
+        self.keep_last_n = _tree.check_keep_last_n(keep_last_n)
+        # Whether `save` returns before the write finishes.
+        self.async_save = bool(async_save)
+        # With several processes: how long to wait for the others' shards / the commit.
+        self.commit_timeout_s = commit_timeout_s
+        os.makedirs(self.directory, exist_ok=True)
+        self._context = ts.Context()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="axcore-ckpt")
+        self._pending: tuple[int, concurrent.futures.Future] | None = None
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, step: int, state: PyTree, metadata: dict) -> None:
+        step = _tree.check_step(step)
+        where = f"step {step} in {self.directory}"
+        _tree.check_state(state, where)
+        metadata = _tree.json_copy(metadata, where)
+        self.wait()  # At most one save in flight; surfaces the previous save's error.
+        if step in self.all_steps():
+            log.warning("Checkpoint step %d already exists in %s; not saving it again.", step, self.directory)
+            return
+        leaves = _snapshot(state)  # Synchronous: afterwards the caller may donate the buffers.
+        empty = [e for e in _tree.index_of(state) if "empty" in e]  # None, optax.EmptyState(), ...
+        step_dir = os.path.join(self.directory, step_dir_name(step))
+        if jax.process_index() == 0 and os.path.exists(step_dir):
+            log.warning("Removing %s, left over from an interrupted save.", step_dir)
+            shutil.rmtree(step_dir)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"axcore_tensorstore_save_{step}")
+        if self.async_save:
+            self._pending = (step, self._executor.submit(self._write, step, step_dir, leaves, empty, metadata))
+        else:
+            self._finish(step, lambda: self._write(step, step_dir, leaves, empty, metadata))
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            (step, future), self._pending = self._pending, None
+            self._finish(step, future.result)
+
+    def _finish(self, step: int, run: Any) -> None:
+        try:
+            run()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(
+                f"Saving step {step} in {self.directory} failed: {type(e).__name__}: {e}. The step "
+                f"is not committed; check free space and permissions."
+            ) from e
+
+    def _write(self, step: int, step_dir: str, leaves: list[_Leaf], empty: list[dict], metadata: dict) -> None:
+        arrays_dir = os.path.join(step_dir, ARRAYS_DIR)
+        opening = [
+            ts.open(_spec(os.path.join(arrays_dir, leaf.name), leaf), create=True, open=True, context=self._context)
+            for leaf in leaves
+        ]
+        writes = []
+        for leaf, future in zip(leaves, opening):
+            store = future.result()
+            writes += [store[_slices(index)].write(data) for index, data in leaf.pieces if data.size]
+        for w in writes:
+            w.result()
+        pid, nproc = jax.process_index(), jax.process_count()
+        if nproc > 1:
+            _atomic_write(os.path.join(step_dir, f"done.{pid}"), "")
+        if pid != 0:
+            self._await(os.path.join(step_dir, COMMIT_MARKER), f"process 0 to commit step {step}")
+            return
+        for other in range(1, nproc):
+            self._await(os.path.join(step_dir, f"done.{other}"), f"process {other} to write its shards of step {step}")
+        arrays = [leaf.entry() for leaf in leaves]
+        index = {"format": _FORMAT, "step": step, "metadata": metadata, "arrays": arrays, "empty": empty}
+        _atomic_write(os.path.join(step_dir, INDEX_FILE), json.dumps(index, indent=1))
+        _atomic_write(os.path.join(step_dir, COMMIT_MARKER), json.dumps({"step": step, "time": time.time()}))
+        self._prune()
+
+    def _await(self, path: str, what: str) -> None:
+        deadline = time.monotonic() + self.commit_timeout_s
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"Timed out after {self.commit_timeout_s:.0f} s waiting for {what} ({path}).")
+            time.sleep(0.05)
+
+    def _prune(self) -> None:
+        if self.keep_last_n is None:
+            return
+        for old in self.all_steps()[: -self.keep_last_n]:
+            old_dir = os.path.join(self.directory, step_dir_name(old))
+            os.remove(os.path.join(old_dir, COMMIT_MARKER))  # Uncommit first: never half-deleted yet valid.
+            shutil.rmtree(old_dir, ignore_errors=True)
+
+    # -- listing --------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        steps = []
+        for name in names:
+            match = _STEP_DIR.fullmatch(name)
+            if match and os.path.exists(os.path.join(self.directory, name, COMMIT_MARKER)):
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # -- restoring ------------------------------------------------------------------------
+
+    def restore(self, target: PyTree, step: int | None = None) -> tuple[PyTree, dict]:
+        step = _tree.resolve_step(step, self.all_steps(), self.directory)
+        where = f"step {step} in {self.directory}"
+        step_dir = os.path.join(self.directory, step_dir_name(step))
+        try:
+            with open(os.path.join(step_dir, INDEX_FILE)) as f:
+                index = json.load(f)
+            entries = {e["path"]: e for e in index["arrays"]}
+            saved = index["arrays"] + index["empty"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"Checkpoint {where} is marked committed but its {INDEX_FILE} is unreadable ({e}); "
+                f"delete {step_dir} to fall back to the previous step."
+            ) from None
+        abstract = _tree.abstract_target(target)
+        _tree.check_matches(saved, abstract, where)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        opening = [
+            ts.open(
+                _spec(os.path.join(step_dir, ARRAYS_DIR, entries[jax.tree_util.keystr(p)]["name"])),
+                open=True,
+                read=True,
+                context=self._context,
+            )
+            for p, _ in flat
+        ]
+        reads: list[dict[_Index, Any]] = []
+        for (_, sds), future in zip(flat, opening):
+            store = future.result()
+            wanted = {_normalize(idx, sds.shape) for idx in sds.sharding.addressable_devices_indices_map(sds.shape).values()}
+            reads.append({index: store[_slices(index)].read() for index in wanted})
+        arrays = [
+            jax.make_array_from_callback(sds.shape, sds.sharding, lambda idx, r=r, s=sds.shape: r[_normalize(idx, s)].result())
+            for (_, sds), r in zip(flat, reads)
+        ]
+        return jax.tree_util.tree_unflatten(treedef, arrays), index["metadata"]
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> TensorStoreBackend:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TensorStoreBackend({self.directory!r}, keep_last_n={self.keep_last_n})"
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _snapshot(state: PyTree) -> list[_Leaf]:
+    """Host copies of this process's replica-0 shards of every leaf, with names."""
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    arrays = [leaf for _, leaf in flat if isinstance(leaf, jax.Array)]
+    for x in arrays:  # Start all device-to-host transfers before waiting on any.
+        for shard in x.addressable_shards:
+            if shard.replica_id == 0 and shard.device.platform != "cpu":
+                shard.data.copy_to_host_async()
+    leaves, used = [], set()
+    for path, x in flat:
+        name = _unique_name(path, used)
+        if isinstance(x, jax.Array):
+            shape, dtype = tuple(x.shape), np.dtype(x.dtype)
+            chunk = _chunk_shape(tuple(x.sharding.shard_shape(x.shape)), dtype.itemsize)
+            pieces = [
+                (_normalize(s.index, shape), _host_copy(s.data, copy=s.device.platform == "cpu"))
+                for s in x.addressable_shards
+                if s.replica_id == 0
+            ]
+        else:  # numpy arrays and Python scalars: written by process 0.
+            value = np.array(x)
+            shape, dtype = value.shape, value.dtype
+            chunk = _chunk_shape(shape, dtype.itemsize)
+            pieces = [(_normalize((), shape), value)] if jax.process_index() == 0 else []
+        leaves.append(_Leaf(jax.tree_util.keystr(path), name, shape, dtype, chunk, pieces))
+    return leaves
+
+
+def _host_copy(data: jax.Array, copy: bool) -> np.ndarray:
+    # On CPU np.asarray may alias the device buffer, which donation would overwrite.
+    host = np.asarray(data)
+    return host.copy() if copy else host
+
+
+def _unique_name(path: tuple, used: set[str]) -> str:
+    """A file-system-safe, unique array name from a tree path."""
+    parts = []
+    for key in path:
+        for attr in ("key", "idx", "name"):  # DictKey/FlattenedIndexKey, SequenceKey, GetAttrKey.
+            if hasattr(key, attr):
+                key = getattr(key, attr)
+                break
+        parts.append(re.sub(r"[^A-Za-z0-9_\-]+", "_", str(key)) or "_")
+    name = ".".join(parts) or "root"
+    if len(name) > 150:
+        name = name[:120] + "-" + hashlib.sha1(name.encode()).hexdigest()[:12]
+    base, n = name, 1
+    while name in used:
+        n += 1
+        name = f"{base}-{n}"
+    used.add(name)
+    return name
+
+
+def _chunk_shape(shard_shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    chunk = [max(1, d) for d in shard_shape]
+    while int(np.prod(chunk)) * itemsize > _MAX_CHUNK_BYTES:
+        even = [i for i, d in enumerate(chunk) if d % 2 == 0]
+        if not even:
+            break
+        i = max(even, key=lambda j: chunk[j])
+        chunk[i] //= 2
+    return tuple(chunk)
+
+
+def _normalize(index: tuple, shape: tuple[int, ...]) -> _Index:
+    """`(start, stop)` per dimension for a tuple of slices (missing trailing ones = all)."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(s.indices(d)[:2] for s, d in zip(index, shape))
+
+
+def _slices(index: _Index) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in index)
+
+
+def _spec(path: str, leaf: _Leaf | None = None) -> dict:
+    spec: dict[str, Any] = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}
+    if leaf is not None:
+        spec["metadata"] = {
+            "shape": list(leaf.shape),
+            "data_type": leaf.dtype.name,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(leaf.chunk)}},
+        }
+    return spec
+
+
+def _atomic_write(path: str, text: str) -> None:
+    """Writes `text` to `path` through a temp file and os.replace, fsyncing both."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,122 @@
+"""The `axcore` command.
+
+    axcore train [EXPERIMENT] [--set PATH=VALUE ...]   train (default: built-in experiment)
+    axcore config EXPERIMENT [--set ...]               resolved config, one `path: value` per line
+    axcore plugins [EXPERIMENT]                        installed plugins and what they hook
+    axcore compile EXPERIMENT [--set ...]              ahead-of-time compile report, no training
+
+Only argparse is imported at module level, so `axcore --help` never imports JAX.
+Bad input (an AxcoreError) prints one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # One line, exit 2 (argparse prints usage too).
+        self.exit(EXIT_USAGE, f"axcore: error: {message} (see '{self.prog} --help')\n")
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
+def _add_experiment(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument(
+        "experiment",
+        nargs=None if required else "?",
+        help="experiment YAML file or built-in experiment name" + ("" if required else " (default: default)"),
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a config value, e.g. --set trainer.max_steps=50 (repeatable; YAML-typed)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="axcore", description="Plugin-based large-model training on JAX.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+    train = sub.add_parser("train", help="train a model from an experiment")
+    _add_experiment(train, required=False)
+    config = sub.add_parser("config", help="print the resolved config (one 'path: value' per line)")
+    _add_experiment(config, required=True)
+    plugins = sub.add_parser("plugins", help="list installed plugins")
+    plugins.add_argument("experiment", nargs="?", help="mark the plugins this experiment enables")
+    compile_ = sub.add_parser("compile", help="compile the train step ahead of time and report cost")
+    _add_experiment(compile_, required=True)
+    return parser
+
+
+def _cmd_train(args) -> int:
+    from axcore.experiment import load_experiment
+    from axcore.trainer.trainer import Trainer
+
+    experiment = load_experiment(args.experiment, args.overrides)
+    result = Trainer(experiment).run()
+    eval_text = f", held-out loss {result.eval_loss:.3f}" if result.eval_loss is not None else ""
+    print(f"Finished step {result.step}{eval_text}; run directory: {result.run_dir}", file=sys.stderr)
+    return 0
+
+
+def _cmd_config(args) -> int:
+    from axcore.experiment import load_experiment
+
+    sys.stdout.write(load_experiment(args.experiment, args.overrides).flat())
+    return 0
+
+
+def _cmd_plugins(args) -> int:
+    from axcore.plugins import describe_plugins
+
+    enabled = []
+    if args.experiment:
+        from axcore.experiment import read_experiment_file
+
+        enabled = read_experiment_file(args.experiment)[0].get("plugins") or []
+    rows = describe_plugins(enabled)
+    header = ("name", "distribution", "version", "enabled", "hooks")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
+    for row in [header, *rows]:
+        cells = [str(c).ljust(w) for c, w in zip(row[:4], widths)]
+        print("  ".join([*cells, str(row[4])]))
+    return 0
+
+
+def _cmd_compile(args) -> int:
+    from axcore.compile_report import compile_report
+    from axcore.experiment import load_experiment
+
+    for key, value in compile_report(load_experiment(args.experiment, args.overrides)).items():
+        print(f"{key}: {value}")
+    return 0
+
+
+COMMANDS = {"train": _cmd_train, "config": _cmd_config, "plugins": _cmd_plugins, "compile": _cmd_compile}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from axcore.errors import AxcoreError
+
+    try:
+        return COMMANDS[args.command](args)
+    except AxcoreError as e:
+        print(f"axcore: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("axcore: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""Built-in plugin: the data sources (embedded corpus, text/JSONL files, token files)."""
+
+from axcore.data.sources import EmbeddedCorpus, TextFiles, TokenFile
+from axcore.hookspecs import hookimpl
+
+DATA_SOURCES = {
+    "embedded_corpus": EmbeddedCorpus,
+    "text_files": TextFiles,
+    "token_file": TokenFile,
+}
+
+
+@hookimpl
+def axcore_register_data_sources(register):
+    for name, source in DATA_SOURCES.items():
+        register(name, source)
