@@ -4,6 +4,7 @@
     axcore config EXPERIMENT [--set ...]               resolved config, one `path: value` per line
     axcore plugins [EXPERIMENT]                        installed plugins and what they hook
     axcore compile EXPERIMENT [--set ...]              ahead-of-time compile report, no training
+    axcore loc                                         integration cost of each installed plugin
 
 Only argparse is imported at module level, so `axcore --help` never imports JAX.
 Bad input (an AxcoreError) prints one line and exits with status 2.
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     plugins.add_argument("experiment", nargs="?", help="mark the plugins this experiment enables")
     compile_ = sub.add_parser("compile", help="compile the train step ahead of time and report cost")
     _add_experiment(compile_, required=True)
+    sub.add_parser("loc", help="integration lines of code of each installed plugin (Markdown table)")
     return parser
 
 
@@ -101,7 +103,20 @@ def _cmd_compile(args) -> int:
     return 0
 
 
-COMMANDS = {"train": _cmd_train, "config": _cmd_config, "plugins": _cmd_plugins, "compile": _cmd_compile}
+def _cmd_loc(args) -> int:
+    from axcore.loc_report import format_table, loc_report
+
+    sys.stdout.write(format_table(loc_report()))
+    return 0
+
+
+COMMANDS = {
+    "train": _cmd_train,
+    "config": _cmd_config,
+    "plugins": _cmd_plugins,
+    "compile": _cmd_compile,
+    "loc": _cmd_loc,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -59,6 +59,10 @@ class DuplicateComponentError(PluginError):
     """Two plugins registered a component under the same name."""
 
 
+class PluginConflictError(PluginError):
+    """Two enabled plugins' config transforms wrote the same config value."""
+
+
 class KernelNotSupportedError(AxcoreError):
     """A kernel explicitly asked for declines the given problem."""
 

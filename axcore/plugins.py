@@ -15,6 +15,7 @@ import importlib
 import importlib.metadata
 import inspect
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -24,10 +25,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 from axcore import hookspecs
-from axcore.config import ConfigBase, from_dict
+from axcore.config import ConfigBase, flatten, from_dict
 from axcore.errors import (
     ConfigError,
     NoMatchError,
+    PluginConflictError,
     PluginError,
     PluginLoadError,
     PluginVersionError,
@@ -244,8 +246,16 @@ class AxcorePluginManager:
         return out
 
     def transform_config(self, config: ConfigBase, settings: Mapping[str, ConfigBase | None] | None = None) -> ConfigBase:
-        """Runs enabled plugins' config transforms in order; returns the new tree."""
+        """Runs enabled plugins' config transforms in order; returns the new tree.
+
+        Transforms compose in `plugins:` order: each sees the previous one's output.
+        A transform may build on what an earlier plugin installed (e.g. wrap it, or
+        edit values nested inside it), but changing a value that an earlier plugin
+        wrote (e.g. a slot's `type`) raises PluginConflictError naming both plugins,
+        so no plugin silently overwrites another.
+        """
         settings = dict(settings) if settings is not None else self.settings()
+        owners: dict[str, str] = {}  # Flat config path -> plugin that last wrote it.
         for info in self.enabled:
             caller = self.pm.hook.axcore_transform_config
             for impl in caller.get_hookimpls():
@@ -261,8 +271,54 @@ class AxcorePluginManager:
                         f"The config transform of plugin '{info.name}' ({info.distribution}) "
                         f"returned {type(new).__name__}; it must return the new config."
                     )
+                self._record_writes(owners, info.name, config, new)
                 config = new
         return config
+
+    def _record_writes(self, owners: dict[str, str], plugin: str, old: ConfigBase, new: ConfigBase) -> None:
+        """Records what `plugin` wrote; raises if it overwrote another plugin's write.
+
+        Paths are compared with list indices dropped, so turning a layer template
+        into per-layer copies is not a change. A plugin owns the values it changed
+        and the `type` of every component it added or removed; values inside a
+        component another plugin added stay open to edits (composition). Removing
+        an owned value is an overwrite unless it moved into the new component that
+        replaced its slot (e.g. a feed-forward config kept as the experts' template).
+        """
+        before, after = _value_sets(flatten(old, self.registries)), _value_sets(flatten(new, self.registries))
+
+        def conflict(path: str, was: Any, now: Any) -> PluginConflictError:
+            return PluginConflictError(
+                f"Plugins '{owners[path]}' and '{plugin}' both set config '{path}' ({sorted(was)} by "
+                f"'{owners[path]}', then {sorted(now) if now else 'removed'} by '{plugin}'); enable "
+                f"only one of them, or configure the second through the first's settings."
+            )
+
+        added = {p: v for p, v in after.items() if p not in before}
+        for path, values in before.items():
+            if path in after and after[path] == values:
+                continue
+            if owners.get(path, plugin) != plugin:
+                removed = path not in after
+                parent, _, leaf = path.rpartition(".")
+                moved = removed and any(
+                    q.startswith(parent + ".") and q.rpartition(".")[2] == leaf and v == values
+                    for q, v in added.items()
+                )
+                if not moved:
+                    raise conflict(path, values, None if removed else after[path])
+            owners[path] = plugin
+        for path in added:
+            if path.rpartition(".")[2] == "type" or None in added[path]:
+                owners[path] = plugin
+
+
+def _value_sets(flat: list[tuple[str, Any]]) -> dict[str, frozenset]:
+    """Flat config entries keyed by path without list indices -> set of values there."""
+    out: dict[str, set] = {}
+    for path, value in flat:
+        out.setdefault(re.sub(r"\[\d+\]", "", path), set()).add(repr(value) if isinstance(value, list) else value)
+    return {p: frozenset(v) for p, v in out.items()}
 
 
 def builtin_registries() -> Registries:

@@ -120,12 +120,13 @@ class Registries:
     def __init__(self):
         from axcore.config import Configurable
         from axcore.kernels.registry import KernelRegistry  # Cycle: kernels use the registry.
+        from axcore.layers.position import PositionEmbedding
         from axcore.mesh import MeshRule
         from axcore.module import Module
 
         self.layers: Registry[type] = Registry("layer", module_class_validator(Module))
         self.position_embeddings: Registry[type] = Registry(
-            "position embedding", module_class_validator(Module)
+            "position embedding", module_class_validator(PositionEmbedding)
         )
         self.kernels = KernelRegistry()
         self.mesh_rules: Registry[Any] = Registry("mesh rule", instance_validator(MeshRule))

@@ -11,12 +11,13 @@ from axcore.errors import (
     ConfigError,
     DuplicateComponentError,
     NoMatchError,
+    PluginConflictError,
     PluginLoadError,
     UnknownFieldError,
     UnknownPluginError,
 )
 from axcore.kernels import SUPPORTED
-from axcore.layers import CausalLM, FeedForward, MultiheadAttention
+from axcore.layers import CausalLM, FeedForward, LearnedPositionEmbedding, MultiheadAttention, PositionEmbedding
 from axcore.mesh import MeshRule, select_mesh_rule
 
 
@@ -25,6 +26,10 @@ class DoubledFeedForward(FeedForward):
 
     def forward(self, x):
         return 2.0 * super().forward(x)
+
+
+class NoPosition(PositionEmbedding):
+    """A third-party position embedding that changes nothing."""
 
 
 class ScaleSettings(ConfigBase):
@@ -115,11 +120,86 @@ class SetScale:
         return replace(config, MultiheadAttention, lambda p, c: c.set(scale=self.value))
 
 
-@pytest.mark.parametrize("order,expected", [(["one", "two"], 2.0), (["two", "one"], 1.0)])
-def test_transforms_compose_in_plugins_order(order, expected):
-    pm = axcore.create_plugin_manager(order, objects={"one": SetScale(1.0), "two": SetScale(2.0)})
+class ScaledAttention(MultiheadAttention):
+    """A subclass a plugin swaps in, keeping every field of the attention it replaces."""
+
+
+class SwapAttention:
+    """Replaces every attention config by a ScaledAttention config with the same fields."""
+
+    def __init__(self):
+        self.seen_scales = []
+
+    @axcore.hookimpl
+    def axcore_register_layers(self, register):
+        register("scaled_attention", ScaledAttention)
+
+    @axcore.hookimpl
+    def axcore_transform_config(self, config):
+        def swap(path, c):
+            self.seen_scales.append(c.scale)
+            return ScaledAttention.default_config().set(**dict(c.items()))
+
+        return replace(config, MultiheadAttention, swap)
+
+
+@pytest.mark.parametrize("order", [["scale", "swap"], ["swap", "scale"]])
+def test_transforms_compose_in_plugins_order(order):
+    swap = SwapAttention()
+    pm = axcore.create_plugin_manager(order, objects={"scale": SetScale(2.0), "swap": swap})
     new = pm.transform_config(_base())
-    assert {c.scale for _, c in find(new, MultiheadAttention)} == {expected}
+    found = find(new, MultiheadAttention)
+    assert [c.klass for _, c in found] == [ScaledAttention] and found[0][1].scale == 2.0
+    # The swap saw the scale only when the scale plugin ran first.
+    assert swap.seen_scales == ([2.0] if order[0] == "scale" else [None])
+
+
+class DropPositions:
+    """Empties every attention's position-embedding slot."""
+
+    @axcore.hookimpl
+    def axcore_transform_config(self, config):
+        return replace(config, MultiheadAttention, lambda p, c: c.set(position_embedding=None))
+
+
+class LearnedInAttention:
+    """Puts a learned embedding config into every attention's position-embedding slot."""
+
+    @axcore.hookimpl
+    def axcore_transform_config(self, config):
+        pe = LearnedPositionEmbedding.default_config().set(max_len=8)
+        return replace(config, MultiheadAttention, lambda p, c: c.set(position_embedding=pe.clone()))
+
+
+def test_removing_or_replacing_another_plugins_component_conflicts():
+    objects = {"learned": LearnedInAttention(), "drop": DropPositions(), "nopos": NoPositionInAttention()}
+    for order in (["learned", "drop"], ["learned", "nopos"], ["nopos", "learned"]):
+        pm = axcore.create_plugin_manager(order, objects=objects)
+        with pytest.raises(PluginConflictError, match=rf"'{order[0]}' and '{order[1]}' both set config .*position_embedding"):
+            pm.transform_config(_base())
+
+
+class NoPositionInAttention:
+    """Puts NoPosition into every attention's slot (registering it)."""
+
+    @axcore.hookimpl
+    def axcore_register_position_embeddings(self, register):
+        register("no_position", NoPosition)
+
+    @axcore.hookimpl
+    def axcore_transform_config(self, config):
+        return replace(config, MultiheadAttention, lambda p, c: c.set(position_embedding=NoPosition.default_config()))
+
+
+def test_two_plugins_writing_one_value_conflict():
+    pm = axcore.create_plugin_manager(["one", "two"], objects={"one": SetScale(1.0), "two": SetScale(2.0)})
+    with pytest.raises(PluginConflictError, match=r"'one' and 'two' both set config 'decoder\.layer\.self_attention\.scale'"):
+        pm.transform_config(_base())
+
+
+def test_plugins_agreeing_on_a_value_do_not_conflict():
+    pm = axcore.create_plugin_manager(["one", "two"], objects={"one": SetScale(1.0), "two": SetScale(1.0)})
+    assert {c.scale for _, c in find(pm.transform_config(_base()), MultiheadAttention)} == {1.0}
 
 
 def test_transform_that_matches_nothing_names_the_plugin():
@@ -181,7 +261,7 @@ class RegistersEverything:
 
     @axcore.hookimpl
     def axcore_register_position_embeddings(self, register):
-        register(self._name("learned_position_embedding"), DoubledFeedForward, override=self.override)
+        register(self._name("learned_position_embedding"), NoPosition, override=self.override)
 
     @axcore.hookimpl
     def axcore_register_attention_kernels(self, register):
@@ -207,7 +287,7 @@ class RegistersEverything:
 def test_every_registration_hook_fills_its_registry():
     regs = axcore.create_plugin_manager(["all"], objects={"all": RegistersEverything(override=True)}).registries
     assert regs.layers["linear"] is DoubledFeedForward  # Replaced the built-in explicitly.
-    assert regs.position_embeddings["learned_position_embedding"] is DoubledFeedForward
+    assert regs.position_embeddings["learned_position_embedding"] is NoPosition
     assert regs.kernels.select("attention", None).name == "fake"  # Priority 5 beats xla's 0.
     assert regs.kernels.candidates("rms_norm")[0].name == "norm_fake"
     assert select_mesh_rule([regs.mesh_rules[n] for n in regs.mesh_rules], "cpu-8").name == "cpu"
@@ -250,7 +330,7 @@ def test_name_may_not_be_both_layer_and_position_embedding():
     class Both:
         @axcore.hookimpl
         def axcore_register_position_embeddings(self, register):
-            register("linear", DoubledFeedForward)
+            register("linear", NoPosition)
 
     with pytest.raises(DuplicateComponentError, match="both as a layer"):
         _ = axcore.create_plugin_manager(["both"], objects={"both": Both()}).registries

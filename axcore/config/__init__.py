@@ -23,7 +23,7 @@ from axcore.config.serialize import (
     to_dict,
     to_yaml,
 )
-from axcore.config.traversal import find, get_path, is_config_of, replace, walk
+from axcore.config.traversal import find, get_path, is_config_of, remove, replace, walk
 
 __all__ = [
     "REQUIRED",
@@ -46,6 +46,7 @@ __all__ = [
     "get_path",
     "is_config_of",
     "parse_override",
+    "remove",
     "replace",
     "to_dict",
     "to_yaml",

@@ -121,6 +121,34 @@ def replace(
     return result
 
 
+def remove(cfg: ConfigBase, match: Match, *, allow_no_match: bool = False) -> ConfigBase:
+    """Returns a new tree in which every matching node's slot is set to None.
+
+    Use it to empty an optional slot (e.g. drop an input position embedding when a
+    feature moves positions into attention). The slot's field must accept None.
+
+    Raises:
+        NoMatchError: nothing matched and `allow_no_match` is False.
+        ConfigTypeError: a matching node sits in a field that does not accept None.
+    """
+    pred = _predicate(match)
+    result = cfg.clone()
+    count = 0
+    for path, node in list(walk(result)):
+        if not path or not isinstance(node, ConfigBase) or not pred(path, node):
+            continue
+        parent_path, _, field = path.rpartition(".")
+        if field.endswith("]"):
+            raise ConfigError(f"Cannot remove list element '{path}'; replace the list instead.")
+        parent = get_path(result, parent_path) if parent_path else result
+        if getattr(parent, field) is node:  # Not already removed with an ancestor.
+            setattr(parent, field, None)
+            count += 1
+    if count == 0 and not allow_no_match:
+        raise NoMatchError(f"Config removal matched nothing ({_describe_match(match)}).")
+    return result
+
+
 def _describe_match(match: Match) -> str:
     return f"configs of {match.__name__}" if inspect.isclass(match) else "predicate"
 

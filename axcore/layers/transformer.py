@@ -107,11 +107,14 @@ class StackedInitializer:
 
 
 class RepeatedTransformer(BaseLayer):
-    """One layer config applied `num_layers` times with `jax.lax.scan`.
+    """A unit (one layer, or a block of layers) applied repeatedly with `jax.lax.scan`.
 
-    Parameters are the child `layer`'s tree with a leading `[num_layers]` axis
-    (logical axis "layers"), so compile time does not grow with depth. The layer's
-    output collection comes back stacked along that axis.
+    The unit is the child `layer`. If its config has a `num_layers` field (a
+    `StackedTransformer` block, e.g. a dense layer followed by a sparse one) the
+    unit holds that many layers and is repeated `num_layers / unit layers` times;
+    otherwise it is one layer repeated `num_layers` times. Parameters are the unit's
+    tree with a leading `[repeats]` axis (logical axis "layers"), so compile time does
+    not grow with depth. The unit's output collection comes back stacked on that axis.
     """
 
     class Config(BaseLayer.Config):
@@ -119,17 +122,40 @@ class RepeatedTransformer(BaseLayer):
 
         # Model dimension.
         input_dim: int = REQUIRED
-        # Number of repetitions.
+        # Total number of layers (a multiple of the unit's layer count).
         num_layers: int = REQUIRED
-        # The repeated layer (may itself be a block of several layers).
+        # The repeated unit: a layer, or a stacked_transformer block of several layers.
         layer: InstantiableConfig = TransformerLayer.default_config()
+        # Backward-pass rematerialization: None saves every activation; otherwise a
+        # jax.checkpoint_policies name, e.g. "nothing_saveable" or "dots_saveable".
+        remat_policy: str | None = None
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
-        self._add_child("layer", with_fields(self._config.layer, input_dim=self._config.input_dim))
+        cfg = self._config
+        if cfg.num_layers % self.layers_per_unit:
+            raise ConfigError(
+                f"{self.path}: num_layers ({cfg.num_layers}) is not a multiple of the repeated "
+                f"unit's {self.layers_per_unit} layers."
+            )
+        if cfg.remat_policy is not None and not hasattr(jax.checkpoint_policies, cfg.remat_policy):
+            raise ConfigError(
+                f"{self.path}: remat_policy '{cfg.remat_policy}' is not in jax.checkpoint_policies; "
+                f"try 'nothing_saveable' or 'dots_saveable'."
+            )
+        self._add_child("layer", with_fields(cfg.layer, input_dim=cfg.input_dim))
+
+    @property
+    def layers_per_unit(self) -> int:
+        unit = self._config.layer
+        return unit.num_layers if "num_layers" in unit.keys() and isinstance(unit.num_layers, int) else 1
+
+    @property
+    def repeats(self) -> int:
+        return self._config.num_layers // self.layers_per_unit
 
     def parameter_specs(self) -> dict:
-        n = self._config.num_layers
+        n = self.repeats
 
         def stack(spec: ParameterSpec) -> ParameterSpec:
             axes = None if spec.mesh_axes is None else ("layers", *spec.mesh_axes)
@@ -140,9 +166,8 @@ class RepeatedTransformer(BaseLayer):
 
     def forward(self, x: jax.Array, **kwargs) -> jax.Array:
         ctx = self._context()
-        n = self._config.num_layers
         key = fold_in_name(ctx.prng_key, "layer")
-        keys = None if key is None else jax.random.split(key, n)
+        keys = None if key is None else jax.random.split(key, self.repeats)
 
         def body(carry, xs):
             layer_params, layer_key = xs
@@ -151,6 +176,8 @@ class RepeatedTransformer(BaseLayer):
             )
             return out, collection
 
+        if self._config.remat_policy is not None:
+            body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, self._config.remat_policy))
         x, collections = jax.lax.scan(body, x, (ctx.state.get("layer", {}), keys))
         for mine, stacked in zip(ctx.output_collection.child("layer"), collections):
             mine.update(stacked)

@@ -69,3 +69,17 @@ def test_get_path():
     assert get_path(_lm(), "decoder.layer.feed_forward.hidden_dim") == 16
     with pytest.raises(UnknownFieldError, match="did you mean 'hidden_dim'"):
         get_path(_lm(), "decoder.layer.feed_forward.hiden_dim")
+
+
+def test_remove_empties_optional_slots():
+    from axcore.config import remove
+    from axcore.errors import ConfigTypeError
+    from axcore.layers import LearnedPositionEmbedding, RMSNorm
+
+    new = remove(_lm(), LearnedPositionEmbedding)
+    assert new.position_embedding is None and _lm().position_embedding is not None
+    with pytest.raises(NoMatchError):
+        remove(new, LearnedPositionEmbedding)
+    assert remove(new, LearnedPositionEmbedding, allow_no_match=True) == new
+    with pytest.raises(ConfigTypeError, match="final_norm"):
+        remove(_lm(), lambda path, c: path == "final_norm" and isinstance(c, RMSNorm.Config))
