@@ -279,38 +279,50 @@ class AxcorePluginManager:
         """Records what `plugin` wrote; raises if it overwrote another plugin's write.
 
         Paths are compared with list indices dropped, so turning a layer template
-        into per-layer copies is not a change. A plugin owns the values it changed
-        and the `type` of every component it added or removed; values inside a
-        component another plugin added stay open to edits (composition). Removing
-        an owned value is an overwrite unless it moved into the new component that
-        replaced its slot (e.g. a feed-forward config kept as the experts' template).
+        into per-layer copies is not a change. A plugin owns the values it changed,
+        the `type` of every component it added, and every slot it emptied; values
+        inside a component another plugin added stay open to edits (composition).
+        A value that moved deeper into the tree (e.g. a layer wrapped into a block,
+        or a feed-forward config kept as the experts' template) keeps its owner.
         """
         before, after = _value_sets(flatten(old, self.registries)), _value_sets(flatten(new, self.registries))
+        added = {p: v for p, v in after.items() if p not in before}
+        removed = {p: v for p, v in before.items() if p not in after}
 
         def conflict(path: str, was: Any, now: Any) -> PluginConflictError:
             return PluginConflictError(
-                f"Plugins '{owners[path]}' and '{plugin}' both set config '{path}' ({sorted(was)} by "
-                f"'{owners[path]}', then {sorted(now) if now else 'removed'} by '{plugin}'); enable "
-                f"only one of them, or configure the second through the first's settings."
+                f"Plugins '{owners[path]}' and '{plugin}' both set config '{path}' ({sorted(was, key=repr)} "
+                f"by '{owners[path]}', then {sorted(now, key=repr) if now else 'removed'} by '{plugin}'); "
+                f"enable only one of them, or configure the second through the first's settings."
             )
 
-        added = {p: v for p, v in after.items() if p not in before}
         for path, values in before.items():
-            if path in after and after[path] == values:
+            if after.get(path) == values:
+                continue
+            targets = [q for q, v in added.items() if v == values and _moved(path, q)] if path in removed else []
+            if targets:
+                for target in targets:
+                    if path in owners:
+                        owners[target] = owners[path]
                 continue
             if owners.get(path, plugin) != plugin:
-                removed = path not in after
-                parent, _, leaf = path.rpartition(".")
-                moved = removed and any(
-                    q.startswith(parent + ".") and q.rpartition(".")[2] == leaf and v == values
-                    for q, v in added.items()
-                )
-                if not moved:
-                    raise conflict(path, values, None if removed else after[path])
+                raise conflict(path, values, after.get(path))
             owners[path] = plugin
-        for path in added:
-            if path.rpartition(".")[2] == "type" or None in added[path]:
+        for path, values in added.items():
+            if path in owners or any(v == values and _moved(p, path) for p, v in removed.items()):
+                continue
+            emptied = None in values and any(p.startswith(path + ".") for p in before)
+            if path.rpartition(".")[2] == "type" or emptied:
                 owners[path] = plugin
+
+
+def _moved(source: str, target: str) -> bool:
+    """Whether `target` is `source` with extra path components inserted (same last one)."""
+    src, dst = source.split("."), target.split(".")
+    if len(dst) <= len(src) or src[-1] != dst[-1]:
+        return False
+    it = iter(dst)
+    return all(part in it for part in src)
 
 
 def _value_sets(flat: list[tuple[str, Any]]) -> dict[str, frozenset]:

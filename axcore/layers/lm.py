@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from axcore.config import REQUIRED, InstantiableConfig
 from axcore.config.traversal import find
+from axcore.errors import ConfigError
 from axcore.layers.attention import MultiheadAttention
 from axcore.layers.base import BaseLayer, with_fields
 from axcore.layers.basic import Embedding, Linear, RMSNorm
@@ -31,7 +32,7 @@ def cross_entropy(logits, labels, weights, z_loss_scale: float = 0.0) -> tuple[j
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     label_logits = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
-    num = jnp.maximum(jnp.sum(weights), 1.0)
+    num = jnp.maximum(jnp.sum(weights), jnp.finfo(jnp.float32).tiny)  # All-zero weights give 0, not NaN.
     xent = jnp.sum((log_z - label_logits) * weights) / num
     z_loss = jnp.sum(jnp.square(log_z) * weights) / num
     loss = xent + z_loss_scale * z_loss
@@ -84,6 +85,12 @@ class CausalLM(BaseLayer):
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
         cfg = self._config
+        for path, attention in find(cfg.decoder, MultiheadAttention):
+            if not attention.causal:
+                raise ConfigError(
+                    f"{self.path}.decoder.{path}: a causal LM needs causal attention, but causal is "
+                    f"false (a decoder whose type was switched starts from defaults); set causal: true."
+                )
         self._add_child("embedding", with_fields(cfg.embedding, num_embeddings=cfg.vocab_size, dim=cfg.dim))
         if cfg.position_embedding is not None:
             self._add_child("position_embedding", with_fields(cfg.position_embedding, dim=cfg.dim))

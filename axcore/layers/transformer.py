@@ -178,7 +178,7 @@ class RepeatedTransformer(BaseLayer):
 
         if self._config.remat_policy is not None:
             body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, self._config.remat_policy))
-        x, collections = jax.lax.scan(body, x, (ctx.state.get("layer", {}), keys))
+        x, collections = jax.lax.scan(body, x, (ctx.state.get("layer", {}), keys), length=self.repeats)
         for mine, stacked in zip(ctx.output_collection.child("layer"), collections):
             mine.update(stacked)
         return x

@@ -60,11 +60,25 @@ def _run(layer, params, inputs):
     return out
 
 
-def test_param_shapes_follow_heads_and_head_dim():
-    _, params = _layer(num_kv_heads=2)
-    assert params["wq"].shape == (16, 4, 4)
+def _gqa_layer(num_kv_heads, causal=False):
+    # head_dim 4 is set explicitly (the default would be 16 // 8 = 2).
+    cfg = MultiheadAttention.default_config().set(
+        input_dim=16, num_heads=8, num_kv_heads=num_kv_heads, head_dim=4, causal=causal
+    )
+    layer = cfg.instantiate(name="attn")
+    return layer, layer.initialize(jax.random.key(2))
+
+
+def test_param_shapes_follow_heads_kv_heads_and_head_dim():
+    layer, params = _gqa_layer(num_kv_heads=2)
+    assert params["wq"].shape == (16, 8, 4)
     assert params["wk"].shape == params["wv"].shape == (16, 2, 4)
-    assert params["wo"].shape == (4, 4, 16)
+    assert params["wo"].shape == (8, 4, 16)
+    assert not np.allclose(params["wk"], params["wv"])
+    specs = layer.parameter_specs()
+    assert specs["wq"].mesh_axes == ("embed", "heads", None)
+    assert specs["wk"].mesh_axes == ("embed", "kv_heads", None)
+    assert specs["wo"].mesh_axes == ("heads", None, "embed")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -102,20 +116,13 @@ def test_kv_padding_mask_matches_numpy(causal):
 @pytest.mark.parametrize("num_kv_heads", [2, 1])
 @pytest.mark.parametrize("causal", [False, True])
 def test_grouped_query_attention_equals_mha_with_repeated_kv_heads(num_kv_heads, causal):
-    cfg = MultiheadAttention.default_config().set(input_dim=16, num_heads=8, num_kv_heads=num_kv_heads, causal=causal)
-    layer = cfg.instantiate(name="attn")
-    params = layer.initialize(jax.random.key(2))
-    assert params["wk"].shape == (16, num_kv_heads, 2)
+    layer, params = _gqa_layer(num_kv_heads, causal)
+    assert params["wk"].shape == (16, num_kv_heads, 4)
     x = _x(seed=3)
     kv_mask = np.array([[True] * 6, [True] * 5 + [False]])
     out = _run(layer, params, {"x": x, "kv_mask": kv_mask})
-    # Plain MHA whose k/v projections are the GQA ones repeated: query head n uses kv head n // group.
-    group = 8 // num_kv_heads
-    mha_params = dict(params)
-    mha_params["wk"] = jnp.repeat(params["wk"], group, axis=1)
-    mha_params["wv"] = jnp.repeat(params["wv"], group, axis=1)
-    mha = MultiheadAttention.default_config().set(input_dim=16, num_heads=8, causal=causal).instantiate(name="mha")
-    np.testing.assert_allclose(out, _run(mha, mha_params, {"x": x, "kv_mask": kv_mask}), rtol=RTOL, atol=ATOL)
+    # np_mha_layer repeats each kv head `group` times (np.repeat on the head axis), so query
+    # head n uses kv head n // group: a plain MHA.
     np.testing.assert_allclose(
         out, np_mha_layer(params, x, causal=causal, kv_mask=kv_mask), rtol=RTOL, atol=ATOL
     )
@@ -123,9 +130,7 @@ def test_grouped_query_attention_equals_mha_with_repeated_kv_heads(num_kv_heads,
 
 def test_gqa_head_assignment_is_contiguous_not_interleaved():
     """Query head n must use kv head n // group (not n % num_kv_heads)."""
-    cfg = MultiheadAttention.default_config().set(input_dim=16, num_heads=8, num_kv_heads=2)
-    layer = cfg.instantiate(name="attn")
-    params = layer.initialize(jax.random.key(4))
+    layer, params = _gqa_layer(num_kv_heads=2)
     x = _x(seed=5)
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     interleaved = dict(p, wk=np.tile(p["wk"], (1, 4, 1)), wv=np.tile(p["wv"], (1, 4, 1)))
@@ -143,13 +148,12 @@ def test_num_heads_not_multiple_of_kv_heads_is_config_error(num_heads, num_kv_he
         cfg.instantiate(name="attn")
 
 
-def test_explicit_head_dim_and_scale():
-    layer, params = _layer(head_dim=6, scale=0.3, causal=True)
-    assert params["wq"].shape == (16, 4, 6) and params["wo"].shape == (4, 6, 16)
+def test_explicit_softmax_scale():
+    layer, params = _layer(scale=0.3, causal=True)
     x = _x()
     out = _run(layer, params, (x,))
     np.testing.assert_allclose(out, np_mha_layer(params, x, causal=True, scale=0.3), rtol=RTOL, atol=ATOL)
-    # The default scale (1/sqrt(6)) gives a different answer.
+    # The default scale (1/sqrt(4)) gives a different answer.
     assert not np.allclose(out, np_mha_layer(params, x, causal=True), atol=1e-4)
 
 

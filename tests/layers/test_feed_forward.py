@@ -22,14 +22,14 @@ NP_ACTIVATIONS = {
 
 
 def _ffn(activation, gating, **kw):
-    cfg = FeedForward.default_config().set(input_dim=6, hidden_dim=10, activation=activation, gating=gating, **kw)
+    cfg = FeedForward.default_config().set(input_dim=16, hidden_dim=32, activation=activation, gating=gating, **kw)
     layer = cfg.instantiate(name="ffn")
     return layer, layer.initialize(jax.random.key(0))
 
 
 def _x(seed=1):
     # Scaled up so that every activation is exercised well away from its linear regime.
-    return (2.0 * np.random.default_rng(seed).normal(size=(2, 5, 6))).astype(np.float32)
+    return (2.0 * np.random.default_rng(seed).normal(size=(2, 5, 16))).astype(np.float32)
 
 
 def _run(layer, params, x):
@@ -73,14 +73,14 @@ def test_swiglu_differs_from_plain_silu_mlp():
 
 def test_gate_and_up_projections_are_initialized_differently():
     _, params = _ffn(Activation.SILU, Gating.GATED)
-    assert params["gate_proj"]["weight"].shape == params["up_proj"]["weight"].shape == (6, 10)
-    assert params["down_proj"]["weight"].shape == (10, 6)
+    assert params["gate_proj"]["weight"].shape == params["up_proj"]["weight"].shape == (16, 32)
+    assert params["down_proj"]["weight"].shape == (32, 16)
     assert not np.allclose(params["gate_proj"]["weight"], params["up_proj"]["weight"])
 
 
 def test_linear_template_with_bias_adds_biases_everywhere():
     layer, params = _ffn(Activation.RELU, Gating.GATED, linear=Linear.default_config().set(bias=True))
-    params = jax.tree.map(lambda p: p + 0.3, params)  # Non-zero biases.
+    params = jax.tree.map(lambda p: np.asarray(p) + 0.3, params)  # Non-zero biases.
     x = _x(4).astype(np.float64)
 
     def lin(name, v):

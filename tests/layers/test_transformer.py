@@ -176,12 +176,12 @@ def test_stacked_transformer_applies_layers_in_order():
 
 
 def test_stacked_transformer_accepts_one_config_per_layer():
-    layers = [_layer_cfg(hidden=32), _layer_cfg(hidden=8, causal=False)]
+    layers = [_layer_cfg(hidden=32), _layer_cfg(hidden=16, causal=False)]
     cfg = StackedTransformer.default_config().set(input_dim=DIM, num_layers=2, layer=layers)
     stack = cfg.instantiate(name="stack")
     params = stack.initialize(jax.random.key(1))
     assert params["layer0"]["feed_forward"]["up_proj"]["weight"].shape == (DIM, 32)
-    assert params["layer1"]["feed_forward"]["up_proj"]["weight"].shape == (DIM, 8)
+    assert params["layer1"]["feed_forward"]["up_proj"]["weight"].shape == (DIM, 16)
     x = _x()
     p = _np(params)
     expected = np_transformer_layer(p["layer1"], np_transformer_layer(p["layer0"], x.astype(np.float64), True), False)
