@@ -2,8 +2,8 @@
 
 An experiment file is merged onto the built-in default experiment:
 
-    plugins: [rope>=0.1]        # enabled in this order
-    rope: {theta: 10000}        # settings of plugin `rope`, under its own name
+    plugins: [my_feature>=0.1]  # enabled in this order
+    my_feature: {size: 4}       # settings of plugin `my_feature`, under its own name
     model: {num_layers: 2}
     trainer: {max_steps: 50}
 

@@ -166,7 +166,7 @@ def axcore_settings_config() -> ConfigBase | None:
     """Declare the config of this plugin's own section in the experiment file.
 
     Returns a fresh `ConfigBase` with defaults, or None if the plugin takes no
-    settings. The experiment's top-level key named after the plugin (e.g. `rope:`)
+    settings. The experiment's top-level key named after the plugin (e.g. `my_feature:`)
     is merged into it with the same validation as any config (unknown keys get a
     "did you mean"). Called once per enabled plugin, in `plugins:` order, before
     config transforms; the result is passed to that plugin's transform as `settings`.

@@ -36,6 +36,8 @@ class PluginLoc:
     distribution: str
     # Body lines of the config-transform hook implementation(s).
     integration_lines: int
+    # The same plus the plugin's own helper functions those hooks call (transitively).
+    integration_with_helpers: int
     # Body lines of every hook implementation.
     hook_lines: int
     # Lines of code under axcore/ that refer to the plugin.
@@ -55,6 +57,20 @@ def body_lines(fn: Any) -> int:
         return 0
     lines = source.splitlines()[body[0].lineno - 1 : node.end_lineno]
     return sum(1 for line in lines if line.strip() and not line.strip().startswith("#"))
+
+
+def _helpers(fn: Any, package: str, seen: set | None = None) -> set:
+    """Functions of `package` that `fn` calls or references, transitively."""
+    seen = set() if seen is None else seen
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            target = getattr(fn, "__globals__", {}).get(node.id)
+            owner = getattr(target, "__module__", "") or ""
+            if inspect.isfunction(target) and owner.split(".")[0] == package and target not in seen:
+                seen.add(target)
+                _helpers(target, package, seen)
+    return seen
 
 
 def _hookimpls(plugin: Any) -> dict[str, Any]:
@@ -151,6 +167,9 @@ def loc_report(families: list[str] | None = None) -> list[PluginLoc]:
     for name, eps in sorted(installed_entry_points().items()):
         plugin, dist, _ = _load_entry_point(name, eps)
         impls = _hookimpls(plugin)
+        package = (getattr(plugin, "__package__", None) or getattr(plugin, "__name__", "") or "").split(".")[0]
+        transforms = [fn for n, fn in impls.items() if n == TRANSFORM_HOOK]
+        helpers = set().union(*(_helpers(fn, package) for fn in transforms)) if transforms else set()
         touched: dict[str, int | str] = {}
         for family in families:
             try:
@@ -161,7 +180,8 @@ def loc_report(families: list[str] | None = None) -> list[PluginLoc]:
             PluginLoc(
                 name=name,
                 distribution=dist,
-                integration_lines=sum(body_lines(fn) for n, fn in impls.items() if n == TRANSFORM_HOOK),
+                integration_lines=sum(body_lines(fn) for fn in transforms),
+                integration_with_helpers=sum(body_lines(fn) for fn in [*transforms, *helpers]),
                 hook_lines=sum(body_lines(fn) for fn in impls.values()),
                 core_lines=core_reference_lines(_defined_names(plugin) | {name}),
                 touched=touched,
@@ -173,11 +193,12 @@ def loc_report(families: list[str] | None = None) -> list[PluginLoc]:
 def format_table(rows: list[PluginLoc]) -> str:
     """A Markdown table of the report."""
     families = list(rows[0].touched) if rows else []
-    header = ["plugin", "distribution", "integration LoC", "all hooks LoC", "axcore/ lines"]
+    header = ["plugin", "distribution", "transform hook LoC", "+ its helpers", "all hooks LoC", "axcore/ lines"]
     header += [f"layers touched ({f})" for f in families]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        cells = [r.name, r.distribution, str(r.integration_lines), str(r.hook_lines), str(r.core_lines)]
+        cells = [r.name, r.distribution, str(r.integration_lines), str(r.integration_with_helpers)]
+        cells += [str(r.hook_lines), str(r.core_lines)]
         cells += [str(r.touched[f]) for f in families]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -47,7 +47,7 @@ class OutputCollection(NamedTuple):
 
     summaries: values to log (scalars, histograms), e.g. {"attention": {"entropy": x}}.
     state_updates: new values of non-trainable state.
-    module_outputs: auxiliary outputs, e.g. {"moe": {"aux_loss": x}}.
+    module_outputs: auxiliary outputs, e.g. {"router": {"aux_loss": x}}.
     """
 
     summaries: dict

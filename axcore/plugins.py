@@ -1,6 +1,6 @@
 """The plugin manager: built-ins, entry-point plugins by name, registries, transforms.
 
-`create_plugin_manager(["rope>=0.2", "moe"])` builds a manager (there is no global
+`create_plugin_manager(["my_feature>=0.2", "other"])` builds a manager (there is no global
 one): built-in plugins first, through the same hooks as third-party ones; then each
 requested plugin, loaded from the `axcore` entry-point group *by name* (no other
 entry point is imported); then, if a platform is given, the hardware plugin named
@@ -68,7 +68,7 @@ class PluginRequest:
         except InvalidRequirement as e:
             raise ConfigError(
                 f"'{where}' entry {text!r} is not a plugin name with an optional version "
-                f"specifier (e.g. 'rope>=0.2'): {e}."
+                f"specifier (e.g. 'my_feature>=0.2'): {e}."
             ) from None
         if req.extras or req.marker or req.url:
             raise ConfigError(f"'{where}' entry {text!r}: only NAME[SPECIFIER] is allowed.")
@@ -283,7 +283,7 @@ class AxcorePluginManager:
         the `type` of every component it added, and every slot it emptied; values
         inside a component another plugin added stay open to edits (composition).
         A value that moved deeper into the tree (e.g. a layer wrapped into a block,
-        or a feed-forward config kept as the experts' template) keeps its owner.
+        or a config kept as the template of the component that replaced it) keeps its owner.
         """
         before, after = _value_sets(flatten(old, self.registries)), _value_sets(flatten(new, self.registries))
         added = {p: v for p, v in after.items() if p not in before}
@@ -329,7 +329,7 @@ def _value_sets(flat: list[tuple[str, Any]]) -> dict[str, frozenset]:
     """Flat config entries keyed by path without list indices -> set of values there."""
     out: dict[str, set] = {}
     for path, value in flat:
-        out.setdefault(re.sub(r"\[\d+\]", "", path), set()).add(repr(value) if isinstance(value, list) else value)
+        out.setdefault(re.sub(r"\[\d+\]", "", path), set()).add(repr(value) if isinstance(value, (list, dict)) else value)
     return {p: frozenset(v) for p, v in out.items()}
 
 
@@ -364,7 +364,7 @@ def create_plugin_manager(
     """Builds a plugin manager.
 
     Args:
-        plugins: the experiment's `plugins:` list, e.g. `["rope>=0.2", "moe"]`, enabled
+        plugins: the experiment's `plugins:` list, e.g. `["my_feature>=0.2", "other"]`, enabled
             in this order.
         objects: plugin objects registered directly by code, by name; a requested name
             is looked up here before the entry points.

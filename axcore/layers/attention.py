@@ -35,7 +35,7 @@ class MultiheadAttention(BaseLayer):
         head_dim: int | None = None
         # Whether query i may only attend to keys j <= i.
         causal: bool = False
-        # Slot for a position embedding acting on queries/keys (e.g. RoPE); None = none.
+        # Slot for a position embedding acting on queries/keys (a relative one); None = none.
         position_embedding: InstantiableConfig | None = None
         # Attention kernel to force by name; None = highest-priority kernel that supports the call.
         kernel: str | None = None

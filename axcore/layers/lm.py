@@ -64,7 +64,7 @@ class CausalLM(BaseLayer):
         num_layers: int = REQUIRED
         # Token embedding.
         embedding: InstantiableConfig = Embedding.default_config()
-        # Input position embedding slot (None: positions only inside attention, e.g. RoPE).
+        # Input position embedding slot (None: positions only inside attention).
         position_embedding: InstantiableConfig | None = LearnedPositionEmbedding.default_config().set(max_len=2048)
         # Decoder stack (stacked_transformer or repeated_transformer).
         decoder: InstantiableConfig = StackedTransformer.default_config()

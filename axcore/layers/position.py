@@ -6,7 +6,7 @@ is the identity, so an embedding implements only what it needs:
 - `embed_inputs(x, positions)`: absolute embeddings added to token embeddings, in a
   model's input slot (`CausalLM.position_embedding`).
 - `transform_qk(q, k, q_positions, k_positions)`: relative embeddings that rotate or
-  otherwise transform queries and keys (RoPE), in an attention layer's slot.
+  otherwise transform queries and keys (relative embeddings), in an attention layer's slot.
 - `attention_bias(q_positions, k_positions)`: an additive logit bias (ALiBi).
 
 The parent sets `dim` (model dim in an input slot, head dim in an attention slot)

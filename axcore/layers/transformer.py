@@ -35,7 +35,7 @@ class TransformerLayer(BaseLayer):
         norm: InstantiableConfig = RMSNorm.default_config()
         # Self-attention sublayer.
         self_attention: InstantiableConfig = MultiheadAttention.default_config()
-        # Feed-forward sublayer (a mixture of experts fits here too).
+        # Feed-forward sublayer (any component mapping [.., dim] to [.., dim] fits).
         feed_forward: InstantiableConfig = FeedForward.default_config()
         # Dropout rate on each sublayer's output, in training only.
         dropout_rate: float = 0.0

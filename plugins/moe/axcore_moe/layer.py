@@ -1,0 +1,174 @@
+"""MixtureOfExperts: a feed-forward layer whose tokens are routed to top-k of E experts.
+
+GShard (Lepikhin et al. 2020) / Switch Transformer (Fedus et al. 2021) style, with
+static shapes throughout (one-hot dispatch and combine einsums), so it works
+under `jit`, `grad` and inside a `lax.scan` over layers.
+
+For x `[batch, seq, dim]`, per token and in float32:
+
+    probs   = softmax(x @ router)                          [batch, seq, E]
+    top_k   = the k largest probs p_1..p_k, experts e_1..e_k
+    gates   = p_j / (p_1 + ... + p_k)                      (renormalized to sum to 1)
+    y       = sum over kept j of gates_j * expert_{e_j}(x)
+
+Capacity. Each expert has `capacity = min(seq, ceil(capacity_factor * seq * k / E))`
+slots per *sequence* (the group is one sequence, so dispatch never crosses batch
+rows and batch sharding stays local). Slots are given in position order: the
+(token, choice) assignments to an expert are ranked by token position, then by
+choice rank, and the ones ranked at or past `capacity` are dropped for that expert
+(they contribute 0; the other choices of the token still count, with their gates
+unchanged). Whether a token is dropped thus depends only on it and the tokens
+before it, so the layer stays causal. `capacity_factor=None` never drops.
+
+Auxiliary losses, over all tokens of the batch (before dropping):
+
+    load_balance = E * sum_e f_e * P_e,  f_e = fraction of the batch's top-k
+                   assignments that go to e (sum_e f_e = 1), P_e = mean prob of e
+    router_z     = mean(logsumexp(router logits)^2)
+
+Their weighted sum is recorded as the module output `aux_loss` (CausalLM adds it
+to the loss); each unweighted part and the dropped fractions are summaries.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from axcore.config import REQUIRED, InstantiableConfig
+from axcore.errors import ConfigError
+from axcore.layers import BaseLayer, FeedForward, with_fields
+from axcore.layers.transformer import StackedInitializer
+from axcore.module import functional, no_context
+from axcore.params import FanAxes, ParameterSpec, fold_in_name
+
+
+class Routing(NamedTuple):
+    """What the router decided for x `[batch, seq, dim]`, with k = top_k and E = num_experts."""
+
+    # Router logits `[batch, seq, E]`, float32.
+    logits: jax.Array
+    # softmax(logits) `[batch, seq, E]`.
+    probs: jax.Array
+    # The k chosen experts per token, by descending probability `[batch, seq, k]`.
+    experts: jax.Array
+    # Their probabilities renormalized to sum to 1 `[batch, seq, k]`.
+    gates: jax.Array
+    # Rank of each assignment among its sequence's assignments to that expert `[batch, seq, k]`.
+    slot: jax.Array
+    # Whether the assignment got a slot (slot < capacity) `[batch, seq, k]`.
+    kept: jax.Array
+
+
+class MixtureOfExperts(BaseLayer):
+    """x `[batch, seq, input_dim]` -> `[batch, seq, input_dim]` through top-k of `num_experts` experts."""
+
+    class Config(BaseLayer.Config):
+        """Configures MixtureOfExperts."""
+
+        # Model dimension (input and output).
+        input_dim: int = REQUIRED
+        # Hidden dimension of each expert (set on the expert template's hidden_dim).
+        hidden_dim: int = REQUIRED
+        # Number of experts.
+        num_experts: int = 8
+        # Number of experts each token is routed to.
+        top_k: int = 2
+        # Template of one expert: a layer `[..., input_dim] -> [..., input_dim]` with
+        # input_dim and hidden_dim fields (e.g. feed_forward, plain or gated); this layer
+        # sets both, and stacks its parameters on a leading "expert" axis.
+        expert: InstantiableConfig = FeedForward.default_config()
+        # Slots per expert per sequence: ceil(capacity_factor * seq * top_k / num_experts); None never drops.
+        capacity_factor: float | None = 1.25
+        # Weight of the load-balancing loss in `aux_loss`.
+        load_balance_loss_weight: float = 0.01
+        # Weight of the router z-loss in `aux_loss`.
+        router_z_loss_weight: float = 1e-3
+
+    def __init__(self, cfg, **kwargs):
+        super().__init__(cfg, **kwargs)
+        cfg = self._config
+        if not 1 <= cfg.top_k <= cfg.num_experts:
+            raise ConfigError(f"{self.path}: top_k ({cfg.top_k}) must be in [1, num_experts={cfg.num_experts}].")
+        if cfg.capacity_factor is not None and cfg.capacity_factor <= 0:
+            raise ConfigError(f"{self.path}: capacity_factor must be positive or null, got {cfg.capacity_factor}.")
+        self._add_child("expert", with_fields(cfg.expert, input_dim=cfg.input_dim, hidden_dim=cfg.hidden_dim))
+
+    @no_context
+    def capacity(self, seq_len: int) -> int:
+        """Slots per expert per sequence of `seq_len` tokens."""
+        cfg = self._config
+        if cfg.capacity_factor is None:
+            return seq_len
+        return min(seq_len, math.ceil(cfg.capacity_factor * seq_len * cfg.top_k / cfg.num_experts))
+
+    def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
+        shape = (self._config.input_dim, self._config.num_experts)
+        return {"router": self._weight(shape, ("embed", None), FanAxes((0,), (1,)))}
+
+    def parameter_specs(self) -> dict:
+        """The router, and the expert template's tree stacked on a leading `[num_experts]` axis."""
+        specs = super().parameter_specs()
+        n = self._config.num_experts
+
+        def stack(spec: ParameterSpec) -> ParameterSpec:
+            axes = ("expert", *(spec.mesh_axes or (None,) * len(spec.shape)))
+            init = StackedInitializer(spec.initializer)
+            return ParameterSpec((n, *spec.shape), spec.dtype, init, axes, spec.weight_decay_scale)
+
+        specs["expert"] = jax.tree.map(stack, specs["expert"])
+        return specs
+
+    def route(self, x: jax.Array) -> Routing:
+        """Router decisions for x `[batch, seq, input_dim]` (see the module docstring)."""
+        cfg = self._config
+        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.parameters["router"].astype(jnp.float32))
+        probs = jax.nn.softmax(logits, axis=-1)
+        top_probs, experts = jax.lax.top_k(probs, cfg.top_k)
+        assign = jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.int32)  # [b, t, k, e]
+        # Rank of each assignment among its sequence's assignments to the same expert,
+        # ordered by (position, choice rank); ranks past the capacity are dropped.
+        ranks = jnp.cumsum(assign.reshape(x.shape[0], -1, cfg.num_experts), axis=1).reshape(assign.shape) - 1
+        slot = jnp.sum(ranks * assign, axis=-1)
+        gates = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+        return Routing(logits, probs, experts, gates, slot, slot < self.capacity(x.shape[1]))
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        cfg = self._config
+        r = self.route(x)
+        capacity = self.capacity(x.shape[1])
+        assign = jax.nn.one_hot(r.experts, cfg.num_experts, dtype=jnp.float32)  # [b, t, k, e]
+        slots = jax.nn.one_hot(jnp.where(r.kept, r.slot, capacity), capacity, dtype=jnp.float32)  # [b, t, k, c]
+        dispatch = jnp.einsum("btke,btkc->btec", assign, slots)
+        combine = jnp.einsum("btke,btkc,btk->btec", assign, slots, r.gates)
+        expert_in = jnp.einsum("btec,btd->ebcd", dispatch.astype(x.dtype), x)
+        y = jnp.einsum("btec,ebcd->btd", combine.astype(x.dtype), self._experts(expert_in))
+
+        fraction = jnp.mean(assign, axis=(0, 1, 2))  # f_e: share of the top-k assignments.
+        load_balance = cfg.num_experts * jnp.sum(fraction * jnp.mean(r.probs, axis=(0, 1)))
+        router_z = jnp.mean(jnp.square(jax.nn.logsumexp(r.logits, axis=-1)))
+        self.add_module_output(
+            "aux_loss", cfg.load_balance_loss_weight * load_balance + cfg.router_z_loss_weight * router_z
+        )
+        self.add_summary("load_balance_loss", load_balance)
+        self.add_summary("router_z_loss", router_z)
+        self.add_summary("dropped_assignment_fraction", 1.0 - jnp.mean(r.kept, dtype=jnp.float32))
+        self.add_summary("dropped_token_fraction", 1.0 - jnp.mean(jnp.any(r.kept, axis=-1), dtype=jnp.float32))
+        return y
+
+    def _experts(self, xs: jax.Array) -> jax.Array:
+        """Expert i applied to `xs[i]`: `[num_experts, ...]` -> `[num_experts, ...]` (vmapped)."""
+        ctx = self._context()
+        key = fold_in_name(ctx.prng_key, "expert")
+        keys = None if key is None else jax.random.split(key, self._config.num_experts)
+
+        def one(params, x, key):
+            return functional(self.expert, params, (x,), key, ctx.is_training)
+
+        out, collections = jax.vmap(one)(ctx.state["expert"], xs, keys)
+        for mine, stacked in zip(ctx.output_collection.child("expert"), collections):
+            mine.update(stacked)
+        return out

@@ -1,0 +1,9 @@
+"""axcore-swiglu: turns every FeedForward into a gated SiLU (SwiGLU) feed-forward.
+
+Enable with `plugins: [swiglu]`; settings live under `swiglu:` (see `SwiGLUSettings`).
+Importing this package registers nothing; axcore calls the hooks in `plugin`.
+"""
+
+from axcore_swiglu.plugin import SwiGLUSettings, gated_hidden_dim
+
+__all__ = ["SwiGLUSettings", "gated_hidden_dim"]

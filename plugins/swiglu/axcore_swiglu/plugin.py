@@ -1,0 +1,71 @@
+"""The swiglu plugin: settings and the config transform.
+
+SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"):
+`FFN(x) = down(silu(x W_gate) * (x W_up))`, i.e. `FeedForward` with
+`gating="gated"` and `activation="silu"`.
+
+A gated FFN has three `[dim, hidden]`-sized matrices instead of two, so at equal
+`hidden_dim` it has 1.5x the parameters. `hidden_dim_multiplier` (e.g. 2/3, as in
+LLaMA) shrinks the hidden layer to keep the count near the dense FFN's:
+
+    hidden_dim' = multiple * ceil(multiplier * hidden_dim / multiple)
+
+(LLaMA's rounding up to a multiple of `hidden_dim_multiple_of`; e.g. d=256,
+hidden 1024, 2/3 -> 704.) Left None, `hidden_dim` is kept as configured.
+"""
+
+from __future__ import annotations
+
+import math
+
+from axcore import REQUIRED, ConfigBase, hookimpl
+from axcore.config import replace
+from axcore.errors import ConfigError
+from axcore.layers import Activation, FeedForward, Gating
+
+
+class SwiGLUSettings(ConfigBase):
+    """Settings of the swiglu plugin (the experiment's `swiglu:` section)."""
+
+    # Nonlinearity of the gate projection: silu gives SwiGLU (gelu gives GEGLU).
+    activation: Activation = Activation.SILU
+    # Scale applied to every FFN's hidden_dim (2/3 keeps the dense parameter count); None = keep.
+    hidden_dim_multiplier: float | None = None
+    # The scaled hidden_dim is rounded up to a multiple of this.
+    hidden_dim_multiple_of: int = 64
+
+
+def gated_hidden_dim(hidden_dim: int, multiplier: float, multiple_of: int) -> int:
+    """`multiple_of * ceil(multiplier * hidden_dim / multiple_of)` (at least `multiple_of`)."""
+    if multiplier <= 0 or multiple_of < 1:
+        raise ConfigError(
+            f"swiglu: hidden_dim_multiplier ({multiplier}) must be positive and hidden_dim_multiple_of "
+            f"({multiple_of}) at least 1."
+        )
+    return multiple_of * max(1, math.ceil(multiplier * hidden_dim / multiple_of - 1e-9))
+
+
+def to_swiglu(path: str, ffn, settings: SwiGLUSettings):
+    """`ffn` (a FeedForward config at `path`) made gated with `settings.activation`."""
+    ffn.set(gating=Gating.GATED, activation=settings.activation)
+    if settings.hidden_dim_multiplier is not None:
+        if ffn.hidden_dim is REQUIRED:
+            raise ConfigError(
+                f"swiglu.hidden_dim_multiplier is set but '{path or '<root>'}' has no hidden_dim (its "
+                f"parent sets it, e.g. MoE experts); set it, unset the multiplier, or list swiglu before "
+                f"the plugin that built the parent (plugins: [swiglu, moe])."
+            )
+        multiplier, multiple_of = settings.hidden_dim_multiplier, settings.hidden_dim_multiple_of
+        ffn.hidden_dim = gated_hidden_dim(ffn.hidden_dim, multiplier, multiple_of)
+    return ffn
+
+
+@hookimpl
+def axcore_settings_config():
+    return SwiGLUSettings()
+
+
+@hookimpl
+def axcore_transform_config(config, settings):
+    # Every FeedForward, including ones nested in other components (e.g. MoE experts).
+    return replace(config, FeedForward, lambda path, ffn: to_swiglu(path, ffn, settings))
