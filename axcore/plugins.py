@@ -16,7 +16,7 @@ import importlib.metadata
 import inspect
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pluggy

@@ -89,7 +89,7 @@ class MultiheadAttention(BaseLayer):
             positions: `[batch, seq]` int positions; default `arange(seq)`.
             kv_mask: `[batch, seq]` bool, False for padding keys; default all valid.
         """
-        cfg, params = self._config, self.parameters
+        params = self.parameters
         dtype = x.dtype
         q = jnp.einsum("btd,dnh->btnh", x, params["wq"].astype(dtype))
         k = jnp.einsum("btd,dnh->btnh", x, params["wk"].astype(dtype))

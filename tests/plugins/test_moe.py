@@ -10,23 +10,12 @@ from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
 from axcore.observe import read_jsonl_metrics
 from axcore.trainer.trainer import Trainer
+import tiny
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 FIXED_MESH = "mesh.instance_type=cpu-1"
 # As in tests/trainer/test_trainer.py, without sampling or evaluation.
-TINY = [
-    "model.dim=32",
-    "model.num_layers=2",
-    "model.position_embedding.max_len=32",
-    "model.decoder.layer.self_attention.num_heads=2",
-    "model.decoder.layer.feed_forward.hidden_dim=64",
-    "input.batch_size=4",
-    "input.seq_len=32",
-    "trainer.eval_every=0",
-    "trainer.sample.num_bytes=0",
-    "trainer.learner.warmup_steps=2",
-    "trainer.max_steps=3",
-]
+TINY = [*tiny.TINY, "trainer.eval_every=0", "trainer.sample.num_bytes=0", "trainer.learner.warmup_steps=2", "trainer.max_steps=3"]
 
 
 def _lines(experiment):

@@ -29,18 +29,11 @@ from axcore.layers import (
 from axcore.params import ParameterSpec
 from axcore.trainer.trainer import Trainer
 from axcore_rope import RotaryEmbedding, plugin
+import tiny
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SLOT = "model.decoder.layer.self_attention.position_embedding"
-TINY = [
-    "model.dim=32",
-    "model.num_layers=2",
-    "model.position_embedding.max_len=32",
-    "model.decoder.layer.self_attention.num_heads=2",
-    "model.decoder.layer.feed_forward.hidden_dim=64",
-    "input.batch_size=4",
-    "input.seq_len=32",
-]
+TINY = tiny.TINY
 
 
 def _write(tmp_path, data, name="exp.yaml"):

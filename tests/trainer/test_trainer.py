@@ -11,19 +11,9 @@ from axcore.checkpoint import CheckpointNotFoundError  # noqa: F401  (the backen
 from axcore.experiment import load_experiment
 from axcore.observe import read_jsonl_metrics
 from axcore.trainer.trainer import NonFiniteLossError, Trainer
+import tiny
 
-TINY = [
-    "model.dim=32",
-    "model.num_layers=2",
-    "model.position_embedding.max_len=32",
-    "model.decoder.layer.self_attention.num_heads=2",
-    "model.decoder.layer.feed_forward.hidden_dim=64",
-    "input.batch_size=4",
-    "input.seq_len=32",
-    "trainer.eval_batches=2",
-    "trainer.sample.num_bytes=8",
-    "trainer.learner.warmup_steps=2",
-]
+TINY = [*tiny.TINY, "trainer.eval_batches=2", "trainer.sample.num_bytes=8", "trainer.learner.warmup_steps=2"]
 
 
 def _run(run_dir, *extra, stream=None):
