@@ -157,9 +157,9 @@ class Trainer:
             donate_argnums=0,
         )
 
-    def evaluate(self, eval_step, params: dict) -> float:
-        """Token-weighted held-out cross-entropy over `eval_batches` batches."""
-        iterator = self.cfg.input.make_iterator(Split.EVAL)
+    def evaluate(self, eval_step, params: dict, iterator) -> float:
+        """Token-weighted held-out cross-entropy over the first `eval_batches` batches."""
+        iterator.set_state({"epoch": 0, "position": 0})  # The same held-out batches every time.
         xent, tokens = 0.0, 0.0
         for _, batch in zip(range(self.cfg.trainer.eval_batches), iterator):
             result = eval_step(params, jax.device_put(batch, self.batch_sharding))
@@ -185,6 +185,7 @@ class Trainer:
             async_save=tcfg.checkpoint.async_save,
         )
         train_iter = self.cfg.input.make_iterator(Split.TRAIN)
+        eval_iter = self.cfg.input.make_iterator(Split.EVAL) if tcfg.eval_every else None
         state, start = None, 0
         if tcfg.checkpoint.resume and backend.latest_step() is not None:
             state, metadata = backend.restore(self.abstract_state())
@@ -219,7 +220,7 @@ class Trainer:
                 record["train/tokens_per_sec"] = tokens_per_step / step_time
                 record["train/step_time"] = step_time
                 if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.max_steps):
-                    eval_loss = self.evaluate(eval_step, state["params"])
+                    eval_loss = self.evaluate(eval_step, state["params"], eval_iter)
                     record["eval/loss"] = eval_loss
                 writer.write(step, record)
                 progress.update(step, train_loss, tokens_per_step / step_time, step_time)
