@@ -1,0 +1,1 @@
+"""Measured comparisons (not part of the test suite; a smoke mode runs in CI)."""
