@@ -11,6 +11,10 @@ when imported, so the run also checks which commands import them.
 
 All six contenders (3 commands x with/without) are alternated round by round; the
 discovery overhead is the median of the per-round differences (with - without).
+Because a 1.5 s process on this shared machine varies by +-0.2 s, the run also
+times the discovery call alone (the first `installed_entry_points()` in a fresh
+process), alternated with and without the plugins.
+
 Targets: `--help` <= 0.3 s; the N plugins add <= 50 ms to `axcore config default`
 (they are not in `plugins:`, so they must not even be imported). `axcore plugins`
 imports every installed plugin to list its hooks; its overhead is reported too.
@@ -35,6 +39,13 @@ from benchmarks.common import alternate, summarize, timed, write_result  # noqa:
 
 NAME = "startup"
 COMMANDS = {"help": ["--help"], "plugins": ["plugins"], "config": ["config", "default"]}
+# Discovery alone, in a fresh process: the first `installed_entry_points()` call
+# (importlib.metadata scanning sys.path for the `axcore` group), which is all that
+# `axcore config` does with plugins it does not enable.
+_DISCOVERY_PROBE = (
+    "import sys, time, axcore.plugins as p; t = time.perf_counter(); eps = p.installed_entry_points(); "
+    "sys.stdout.write(f'{time.perf_counter() - t} {len(eps)}')"
+)
 HELP_TARGET_S = 0.3
 DISCOVERY_TARGET_S = 0.050
 
@@ -116,6 +127,20 @@ def run(smoke: bool = False, results_dir: pathlib.Path | None = None, *, rounds:
             imported[cmd] = len(log.read_text().split()) if log.exists() else 0
         times = alternate(contenders, rounds)
 
+        # The discovery call alone (precise, where the end-to-end difference is noisy).
+        found: dict[str, int] = {}
+
+        def probe(which: str):
+            def once() -> float:
+                out = subprocess.run([sys.executable, "-c", _DISCOVERY_PROBE], env=envs[which], check=True,
+                                     capture_output=True, text=True).stdout.split()
+                found[which] = int(out[1])
+                return float(out[0])
+
+            return once
+
+        discovery = alternate({"without": probe("without"), "with": probe("with")}, rounds)
+
     results = {name: summarize(ts) for name, ts in times.items()}
     overhead = {}
     for cmd in COMMANDS:
@@ -139,6 +164,7 @@ def run(smoke: bool = False, results_dir: pathlib.Path | None = None, *, rounds:
             "dummy_plugins_imported": imported["config"],
         },
     }
+    discovery_diffs = [a - b for a, b in zip(discovery["with"], discovery["without"])]
     data = {
         "smoke": smoke,
         "setup": {
@@ -152,8 +178,15 @@ def run(smoke: bool = False, results_dir: pathlib.Path | None = None, *, rounds:
         "results": results,
         "overhead_with_plugins_s": overhead,
         "dummy_plugins_imported_by": imported,
+        "discovery_call_s": {
+            "what": "first installed_entry_points() call in a fresh process (importlib.metadata scan of the axcore group)",
+            "without": summarize(discovery["without"]),
+            "with": summarize(discovery["with"]),
+            "added_by_plugins": summarize(discovery_diffs),
+            "entry_points_found": found,
+        },
         "targets": targets,
-        "raw": times,
+        "raw": {**times, **{f"discovery_call/{k}": v for k, v in discovery.items()}},
         "per_plugin_overhead_ms": {
             cmd: 1000 * statistics.median(
                 [a - b for a, b in zip(times[f"{cmd}/with"], times[f"{cmd}/without"])]
