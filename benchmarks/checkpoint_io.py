@@ -37,7 +37,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import pairwise_ratio, summarize, timed, write_result  # noqa: E402
+from benchmarks.common import pairwise_ratio, summarize, timed, write_result
 
 NAME = "checkpoint_io"
 BACKENDS = ("orbax", "tensorstore")
@@ -237,8 +237,8 @@ def run(smoke: bool = False, results_dir: pathlib.Path | None = None, *, rounds:
     data = {
         "smoke": smoke,
         "setup": {
-            "state": "AdamW-like train state: params + mu + nu of a d=%d decoder, float32, plus an int32 step"
-            % param_shapes(smoke)["final_norm"][0],
+            "state": f"AdamW-like train state: params + mu + nu of a d={param_shapes(smoke)['final_norm'][0]} "
+            "decoder, float32, plus an int32 step",
             "values": int(n_values),
             "bytes": int(nbytes),
             "leaves": len(leaves),

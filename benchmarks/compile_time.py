@@ -35,7 +35,7 @@ from typing import Any
 if __package__ in (None, ""):  # Run as a script (the worker): make `benchmarks` importable.
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import pairwise_ratio, summarize, write_result  # noqa: E402
+from benchmarks.common import pairwise_ratio, summarize, write_result
 
 NAME = "compile_time"
 VARIANTS = {"unrolled": "default", "scanned": "scan"}
@@ -144,7 +144,7 @@ def _measure(variant: str, layers: int, smoke: bool, timeout_s: float) -> dict[s
         cmd.append("--smoke")
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         return {"variant": variant, "layers": layers, "timed_out": True, "timeout_s": timeout_s}
     wall = time.perf_counter() - t0
@@ -153,7 +153,10 @@ def _measure(variant: str, layers: int, smoke: bool, timeout_s: float) -> dict[s
             result = json.loads(line[len(_RESULT_PREFIX):])
             result["subprocess_wall_s"] = wall
             return result
-    raise RuntimeError(f"compile_time worker {variant}/{layers} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    raise RuntimeError(
+        f"compile_time worker {variant}/{layers} failed (rc {proc.returncode}):\n"
+        f"stdout: {proc.stdout[-1000:]}\nstderr: {proc.stderr[-3000:]}"
+    )
 
 
 _SUMMARIZED = (
