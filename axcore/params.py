@@ -118,8 +118,8 @@ class ParamInit(ConfigBase):
 class VarianceScaling:
     """Initializer: std = scale / sqrt(fan), drawn from `distribution`.
 
-    A hashable value (like `Constant`), so `Module.initialize` can draw all
-    parameters that share an initializer, shape and dtype in one vectorized call.
+    A hashable value (like `Constant`), so `Module.initialize` compiles one eager
+    draw per (initializer, shape, dtype) and reuses it across the process.
     """
 
     distribution: Distribution
