@@ -6,7 +6,7 @@ projections 1024x1024, an FFN 1024x4096 + 4096x1024 and two norm scales, and a f
 norm; 33.6M float32) plus `opt_state` {`mu`, `nu`} of the same shapes and a `step`
 scalar: 100.7M float32 values, 403 MB, 55 leaves. Values are random (incompressible).
 
-Contenders, alternated within the run (raw, orbax, tensorstore, raw, ...; 3 rounds,
+Contenders, alternated within the run (raw, orbax, tensorstore, raw, ...; 7 rounds,
 each into a fresh directory under one temp dir on the same disk, deleted after use):
 
 - backends (`registries.checkpoint_backends[name](dir, keep_last_n=None, async_save=True)`):
@@ -147,7 +147,7 @@ def run(smoke: bool = False, results_dir: pathlib.Path | None = None, *, rounds:
 
     import axcore
 
-    rounds = rounds or (1 if smoke else 3)
+    rounds = rounds or (1 if smoke else 7)
     factories = axcore.create_plugin_manager().registries.checkpoint_backends
     state = make_state(smoke)
     target = _abstract(state)

@@ -12,11 +12,13 @@ from axcore.checkpoint.base import CheckpointBackend
 from axcore.hookspecs import hookimpl
 
 
-def orbax(directory: str | os.PathLike, *, keep_last_n: int | None = 3, async_save: bool = True) -> CheckpointBackend:
-    """An `OrbaxBackend` (orbax-checkpoint's CheckpointManager) writing to `directory`."""
+def orbax(
+    directory: str | os.PathLike, *, keep_last_n: int | None = 3, async_save: bool = True, compress: bool = False
+) -> CheckpointBackend:
+    """An `OrbaxBackend` (orbax-checkpoint's CheckpointManager) writing to `directory`; `compress`: zstd."""
     from axcore.checkpoint.orbax_backend import OrbaxBackend
 
-    return OrbaxBackend(directory, keep_last_n=keep_last_n, async_save=async_save)
+    return OrbaxBackend(directory, keep_last_n=keep_last_n, async_save=async_save, compress=compress)
 
 
 def tensorstore(directory: str | os.PathLike, *, keep_last_n: int | None = 3, async_save: bool = True) -> CheckpointBackend:

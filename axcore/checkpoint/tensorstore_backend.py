@@ -104,7 +104,7 @@ class TensorStoreBackend:
         if step in self.all_steps():
             log.warning("Checkpoint step %d already exists in %s; not saving it again.", step, self.directory)
             return
-        leaves = _snapshot(state)  # Synchronous: afterwards the caller may donate the buffers.
+        leaves = _snapshot(state)  # Synchronous: afterwards the caller may donate or delete the arrays.
         empty = [e for e in _tree.index_of(state) if "empty" in e]  # None, optax.EmptyState(), ...
         step_dir = os.path.join(self.directory, step_dir_name(step))
         if jax.process_index() == 0 and os.path.exists(step_dir):
@@ -253,7 +253,13 @@ class TensorStoreBackend:
 
 
 def _snapshot(state: PyTree) -> list[_Leaf]:
-    """Host copies of this process's replica-0 shards of every leaf, with names."""
+    """Host views of this process's replica-0 shards of every leaf, with names.
+
+    Off-CPU, `np.asarray` is a host copy. On CPU it is a zero-copy view of the device
+    buffer: while the view lives (until the background write ends), XLA will not
+    reuse that buffer for a donating computation and allocates a fresh output
+    instead, so the saved values stay intact without a blocking copy.
+    """
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
     arrays = [leaf for _, leaf in flat if isinstance(leaf, jax.Array)]
     for x in arrays:  # Start all device-to-host transfers before waiting on any.
@@ -267,7 +273,7 @@ def _snapshot(state: PyTree) -> list[_Leaf]:
             shape, dtype = tuple(x.shape), np.dtype(x.dtype)
             chunk = _chunk_shape(tuple(x.sharding.shard_shape(x.shape)), dtype.itemsize)
             pieces = [
-                (_normalize(s.index, shape), _host_copy(s.data, copy=s.device.platform == "cpu"))
+                (_normalize(s.index, shape), np.asarray(s.data))
                 for s in x.addressable_shards
                 if s.replica_id == 0
             ]
@@ -278,12 +284,6 @@ def _snapshot(state: PyTree) -> list[_Leaf]:
             pieces = [(_normalize((), shape), value)] if jax.process_index() == 0 else []
         leaves.append(_Leaf(jax.tree_util.keystr(path), name, shape, dtype, chunk, pieces))
     return leaves
-
-
-def _host_copy(data: jax.Array, copy: bool) -> np.ndarray:
-    # On CPU np.asarray may alias the device buffer, which donation would overwrite.
-    host = np.asarray(data)
-    return host.copy() if copy else host
 
 
 def _unique_name(path: tuple, used: set[str]) -> str:

@@ -54,3 +54,21 @@ def test_half_written_steps_are_ignored(tmp_path):
     state, meta = backend.restore(_target())
     assert meta == {"step": 5} and int(state["n"]) == 5
     backend.close()
+
+
+def _bytes_under(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def test_compression_is_opt_in_and_either_kind_restores(tmp_path):
+    state = {"zeros": jnp.zeros((512, 512), jnp.float32), "n": jnp.int32(3)}  # 1 MiB that zstd shrinks.
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    for name, compress in (("plain", False), ("zstd", True)):
+        with orbax(tmp_path / name, compress=compress) as backend:
+            backend.save(1, state, {})
+    assert _bytes_under(tmp_path / "plain") > 2**20 > 50 * _bytes_under(tmp_path / "zstd")
+    for name in ("plain", "zstd"):
+        with orbax(tmp_path / name) as backend:  # The reader's setting does not matter.
+            restored, _ = backend.restore(target)
+        np.testing.assert_array_equal(np.asarray(restored["zeros"]), np.zeros((512, 512)))
+        assert int(restored["n"]) == 3

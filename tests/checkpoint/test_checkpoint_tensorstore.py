@@ -2,6 +2,7 @@
 
 import json
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -120,16 +121,22 @@ def test_numpy_and_zero_size_leaves(tmp_path):
     assert restored["empty"].shape == (0, 4) and float(restored["f"]) == 2.5
 
 
-def test_pending_save_does_not_hold_device_buffers(tmp_path):
+def test_donation_during_pending_save_keeps_saved_values_and_frees_after(tmp_path):
     step = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
     state = step({"w": jnp.zeros((1024, 1024))})
     with tensorstore(tmp_path) as backend:
+        write, stepped = backend._write, threading.Event()
+        backend._write = lambda *args: stepped.wait(10) and write(*args)  # Writes only after the step.
         backend.save(1, state, {})
-        new = step(state)  # Donation works at once: the save keeps host copies only.
-        assert state["w"].is_deleted()
+        new = step(state)  # While the write waits, XLA must not reuse (and overwrite) the buffer.
+        np.testing.assert_array_equal(np.asarray(new["w"]), np.full((1024, 1024), 2.0))
+        stepped.set()
         backend.wait()
         restored, _ = backend.restore(_abstract(new))
+        newer = step(new)  # No save pending: nothing holds `new`, so donation reuses it.
+        assert new["w"].is_deleted()
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.ones((1024, 1024)))
+    np.testing.assert_array_equal(np.asarray(newer["w"]), np.full((1024, 1024), 3.0))
 
 
 def _abstract(tree):
