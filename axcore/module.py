@@ -21,6 +21,7 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -276,13 +277,34 @@ class Module(Configurable):
         Parameter `a/b/w` is drawn with key `fold_in(prng_key, name_to_int("a/b/w"))`,
         so its value depends only on its path, never on which other parameters exist
         or their order. Works eagerly and under `jax.jit` (e.g. with out_shardings).
+        Parameters sharing (initializer, shape, dtype) are drawn by one batched draw
+        (bit-identical to separate ones), so compile time grows with the number of
+        distinct shapes, not of layers.
         """
-
-        def init(path, spec: ParameterSpec) -> jax.Array:
-            name = "/".join(str(entry.key) for entry in path)
-            return _draw(prng_key, name_to_int(name), spec)
-
-        return jax.tree_util.tree_map_with_path(init, self.parameter_specs())
+        flat, treedef = jax.tree_util.tree_flatten_with_path(self.parameter_specs())
+        values: list[jax.Array | None] = [None] * len(flat)
+        groups: dict[tuple, list[tuple[int, int]]] = {}  # (initializer, shape, dtype) -> [(leaf, hash)].
+        for i, (path, spec) in enumerate(flat):
+            name_hash = name_to_int("/".join(str(entry.key) for entry in path))
+            group = (spec.initializer, tuple(spec.shape), jnp.dtype(spec.dtype))
+            try:
+                hash(group)
+            except TypeError:  # An unhashable custom initializer runs as given.
+                values[i] = spec.initializer(_fold_in(prng_key, name_hash), spec.shape, spec.dtype)
+                continue
+            groups.setdefault(group, []).append((i, name_hash))
+        for (initializer, shape, dtype), members in groups.items():
+            per_chunk = max(1, _GROUP_BYTES // max(1, math.prod(shape) * dtype.itemsize))
+            for start in range(0, len(members), per_chunk):
+                chunk = members[start : start + per_chunk]
+                hashes = [name_hash for _, name_hash in chunk]
+                if not isinstance(prng_key, jax.core.Tracer):  # Eager: reuse compiles across sizes.
+                    hashes += [0] * ((1 << (len(hashes) - 1).bit_length()) - len(hashes))
+                hashes = jnp.asarray(hashes, jnp.uint32)
+                drawn = _draw_group(prng_key, hashes, initializer=initializer, shape=shape, dtype=dtype)
+                for (i, _), value in zip(chunk, drawn, strict=False):  # Padding draws are dropped.
+                    values[i] = value
+        return jax.tree_util.tree_unflatten(treedef, values)
 
     # -- Inside an invocation context ----------------------------------------------
 
@@ -325,26 +347,27 @@ class Module(Configurable):
         self._context().output_collection.state_updates[name] = value
 
 
+# Most bytes one batched draw in `Module.initialize` produces at once (it briefly holds
+# the stacked draw and its slices, so this bounds the extra memory).
+_GROUP_BYTES = 256 * 2**20
+
+
+def _fold_in(key: jax.Array, name_hash: int) -> jax.Array:
+    return jax.random.fold_in(key, jnp.asarray(name_hash, jnp.uint32))
+
+
 @functools.partial(jax.jit, static_argnames=("initializer", "shape", "dtype"))
-def _draw_compiled(key, name_hash, *, initializer, shape, dtype):
-    return initializer(jax.random.fold_in(key, name_hash), shape, dtype)
+def _draw_group(key, hashes, *, initializer, shape, dtype) -> tuple[jax.Array, ...]:
+    """`initializer(fold_in(key, h), shape, dtype)` for every h in `hashes` [n], as n arrays.
 
-
-def _draw(key: jax.Array, name_hash: int, spec: ParameterSpec) -> jax.Array:
-    """`spec.initializer(fold_in(key, name_hash), shape, dtype)`.
-
-    Eagerly, every (initializer, shape, dtype) compiles once per process and is
-    reused (op-by-op dispatch of a random initializer would compile every op, which
-    costs seconds on CPU); under an outer jit this simply inlines.
+    One vmapped draw per (initializer, shape, dtype) instead of one per parameter:
+    threefry draws are elementwise in the key, so the values are bit-identical to
+    separate draws, while XLA compiles one random-number computation instead of n
+    (seconds each on CPU). Eagerly, each (initializer, shape, dtype, n) compiles once
+    per process (callers pad n to a power of two); under an outer jit this inlines.
     """
-    data = jnp.asarray(name_hash, jnp.uint32)
-    try:
-        hash(spec.initializer)
-    except TypeError:  # An unhashable custom initializer runs as given.
-        return spec.initializer(jax.random.fold_in(key, data), spec.shape, spec.dtype)
-    return _draw_compiled(
-        key, data, initializer=spec.initializer, shape=spec.shape, dtype=jnp.dtype(spec.dtype)
-    )
+    stacked = jax.vmap(lambda h: initializer(jax.random.fold_in(key, h), shape, dtype))(hashes)
+    return tuple(stacked[i] for i in range(hashes.shape[0]))
 
 
 def functional(

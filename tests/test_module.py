@@ -9,6 +9,7 @@ import pytest
 
 import axcore
 from axcore.config import REQUIRED
+from axcore.layers import StackedTransformer
 from axcore.module import InvocationError, current_context
 from axcore.params import FanAxes, ParameterSpec, ParamInit, constant
 
@@ -113,6 +114,27 @@ def test_initialize_folds_keys_from_parameter_paths():
     # Adding a sibling does not change existing parameters.
     with_extra = _build(with_extra=True).initialize(key)
     np.testing.assert_array_equal(with_extra["b"]["w"], params["b"]["w"])
+
+
+@pytest.mark.parametrize("group_bytes", [None, 1])  # One batched draw per shape; one draw per parameter.
+def test_batched_initialize_matches_separate_draws_bit_for_bit(monkeypatch, group_bytes):
+    if group_bytes is not None:
+        monkeypatch.setattr(axcore.module, "_GROUP_BYTES", group_bytes)
+    cfg = StackedTransformer.default_config().set(num_layers=3, input_dim=16)
+    cfg.layer.self_attention.set(num_heads=2)
+    cfg.layer.feed_forward.hidden_dim = 32
+    model = cfg.instantiate(name="stack")
+    key = jax.random.key(3)
+    params = model.initialize(key)
+    flat_specs = jax.tree_util.tree_flatten_with_path(model.parameter_specs())[0]
+    assert len(flat_specs) > 10
+    for path, spec in flat_specs:  # Each leaf drawn on its own (jitted, as XLA fuses it) from its path's key.
+        name = "/".join(str(entry.key) for entry in path)
+        expected = jax.jit(spec.initializer, static_argnums=(1, 2))(_fold(key, name), spec.shape, spec.dtype)
+        actual = params
+        for entry in path:
+            actual = actual[entry.key]
+        np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected), err_msg=name)
 
 
 def test_parameter_specs_allocate_nothing():
