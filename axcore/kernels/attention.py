@@ -83,9 +83,12 @@ class XlaAttention:
         batch, q_len, num_heads, head_dim = q.shape
         kv_len, num_kv_heads = k.shape[1], k.shape[2]
         group = num_heads // num_kv_heads
-        q = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
-        logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-        logits = logits.reshape(batch, num_heads, q_len, kv_len) * scale
+        if group == 1:  # Plain multi-head: 4-D einsums (a size-1 group axis costs layout copies).
+            logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * scale
+        else:  # Query head n reads kv head n // group, without materializing repeated k and v.
+            q = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+            logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+            logits = logits.reshape(batch, num_heads, q_len, kv_len) * scale
         if bias is not None:
             logits = logits + bias.astype(jnp.float32)
         allowed = jnp.ones((1, 1, q_len, kv_len), bool)
@@ -95,6 +98,8 @@ class XlaAttention:
             allowed = allowed & kv_mask[:, None, None, :].astype(bool)
         logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        if group == 1:
+            return jnp.einsum("bnts,bsnh->btnh", probs, v)
         probs = probs.reshape(batch, num_kv_heads, group, q_len, kv_len)
         out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
         return out.reshape(batch, q_len, num_heads, head_dim)

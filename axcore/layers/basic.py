@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from axcore.config import REQUIRED
+from axcore.kernels.linear import LINEAR_OP, LinearProblem
 from axcore.layers.base import BaseLayer
 from axcore.params import FanAxes, ParameterSpec
 
@@ -24,6 +25,8 @@ class Linear(BaseLayer):
         bias: bool = True
         # Logical axis names of the weight `[input_dim, output_dim]`.
         weight_axes: tuple[str | None, str | None] = (None, None)
+        # Linear kernel to force by name; None = highest-priority kernel that supports the call.
+        kernel: str | None = None
 
     def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
         cfg = self._config
@@ -38,7 +41,9 @@ class Linear(BaseLayer):
 
     def forward(self, x: jax.Array) -> jax.Array:
         params = self.parameters
-        y = jnp.einsum("...i,io->...o", x, params["weight"].astype(x.dtype))
+        weight = params["weight"].astype(x.dtype)
+        kernel = self.registries.kernels.select(LINEAR_OP, LinearProblem.of(x, weight), requested=self._config.kernel)
+        y = kernel(x, weight)
         if "bias" in params:
             y = y + params["bias"].astype(x.dtype)
         return y
