@@ -129,6 +129,9 @@ class RepeatedTransformer(BaseLayer):
         # Backward-pass rematerialization: None saves every activation; otherwise a
         # jax.checkpoint_policies name, e.g. "nothing_saveable" or "dots_saveable".
         remat_policy: str | None = None
+        # Units per scan iteration (lax.scan's unroll): 1 keeps compile time flat in
+        # depth; larger trades compile time for less loop overhead per step.
+        unroll: int = 1
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -143,6 +146,8 @@ class RepeatedTransformer(BaseLayer):
                 f"{self.path}: remat_policy '{cfg.remat_policy}' is not in jax.checkpoint_policies; "
                 f"try 'nothing_saveable' or 'dots_saveable'."
             )
+        if cfg.unroll < 1:
+            raise ConfigError(f"{self.path}: unroll must be >= 1, got {cfg.unroll}.")
         self._add_child("layer", with_fields(cfg.layer, input_dim=cfg.input_dim))
 
     @property
@@ -178,7 +183,9 @@ class RepeatedTransformer(BaseLayer):
 
         if self._config.remat_policy is not None:
             body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, self._config.remat_policy))
-        x, collections = jax.lax.scan(body, x, (ctx.state.get("layer", {}), keys), length=self.repeats)
+        x, collections = jax.lax.scan(
+            body, x, (ctx.state.get("layer", {}), keys), length=self.repeats, unroll=min(self._config.unroll, self.repeats)
+        )
         for mine, stacked in zip(ctx.output_collection.child("layer"), collections):
             mine.update(stacked)
         return x

@@ -20,10 +20,12 @@ def _layer_cfg():
     return cfg
 
 
-def _pair():
+def _pair(unroll=1):
     layer_cfg = _layer_cfg()
     stacked = StackedTransformer.default_config().set(input_dim=DIM, num_layers=NUM_LAYERS, layer=layer_cfg)
-    repeated = RepeatedTransformer.default_config().set(input_dim=DIM, num_layers=NUM_LAYERS, layer=layer_cfg)
+    repeated = RepeatedTransformer.default_config().set(
+        input_dim=DIM, num_layers=NUM_LAYERS, layer=layer_cfg, unroll=unroll
+    )
     return stacked.instantiate(name="stack"), repeated.instantiate(name="stack")
 
 
@@ -98,8 +100,9 @@ def test_repeated_initialize_draws_each_layer_independently_and_scans_in_order()
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_repeated_gradients_equal_stacked_gradients():
-    stacked, repeated = _pair()
+@pytest.mark.parametrize("unroll", [1, 2, 5])  # 5 > repeats: fully unrolled.
+def test_repeated_gradients_equal_stacked_gradients(unroll):
+    stacked, repeated = _pair(unroll)
     unrolled = stacked.initialize(jax.random.key(2))
     x = _x(3)
 
@@ -114,6 +117,11 @@ def test_repeated_gradients_equal_stacked_gradients():
     for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(g_repeated)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
     assert np.abs(np.asarray(g_repeated["layer"]["self_attention"]["wq"])).max() > 1e-3
+
+
+def test_unroll_below_one_is_rejected_with_the_path():
+    with pytest.raises(axcore.ConfigError, match="stack: unroll must be >= 1"):
+        _pair(unroll=0)
 
 
 class _RecordingLayer(BaseLayer):
