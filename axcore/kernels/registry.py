@@ -2,8 +2,9 @@
 
 Each op ("attention", "rms_norm", ...) has candidate kernels. `select()` tries them
 in descending priority (ties broken by name, so registration and install order never
-decide), logs why each declining kernel declined, and returns the first that
-supports the problem. A reference kernel that supports everything is the fallback.
+decide), logs why each declining kernel declined (once per op, kernel and reason),
+and returns the first that supports the problem. A reference kernel that supports
+everything is the fallback.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class KernelRegistry:
 
     def __init__(self):
         self._ops: dict[str, Registry[Kernel]] = {}
+        # (op, kernel, reason) already logged: every layer selects at trace time, so
+        # a declining kernel would otherwise log once per layer and per trace.
+        self._logged_declines: set[tuple[str, str, str]] = set()
 
     def register(self, op: str, kernel: Kernel, provenance: Provenance, override: bool = False) -> None:
         registry = self._ops.setdefault(op, Registry(f"'{op}' kernel", _validate_kernel))
@@ -107,6 +111,8 @@ class KernelRegistry:
             support = kernel.is_supported(problem)
             if support:
                 return kernel
-            logger.info("'%s' kernel '%s' declined: %s", op, kernel.name, support.reason)
+            if (op, kernel.name, support.reason) not in self._logged_declines:
+                self._logged_declines.add((op, kernel.name, support.reason))
+                logger.info("'%s' kernel '%s' declined: %s", op, kernel.name, support.reason)
             reasons.append(f"{kernel.name}: {support.reason}")
         raise KernelNotSupportedError(f"No '{op}' kernel supports this problem ({'; '.join(reasons)}).")

@@ -125,6 +125,9 @@ def test_declining_kernel_falls_back_to_xla_and_logs_why(caplog):
     with caplog.at_level(logging.INFO, logger="axcore.kernels.registry"):
         assert registries.kernels.select(ATTENTION_OP, _problem()).name == "xla"
     assert "head_dim too small for the fake" in caplog.text
+    with caplog.at_level(logging.INFO, logger="axcore.kernels.registry"):
+        registries.kernels.select(ATTENTION_OP, _problem())  # Same reason again: not logged twice.
+    assert caplog.text.count("head_dim too small for the fake") == 1
     layer, params = _attention(registries)
     x = _x()
     np.testing.assert_allclose(_run(layer, params, (x,)), np_reference_layer(params, x), rtol=1e-5, atol=1e-5)
