@@ -294,16 +294,9 @@ class Module(Configurable):
                 continue
             groups.setdefault(group, []).append((i, name_hash))
         for (initializer, shape, dtype), members in groups.items():
-            per_chunk = max(1, _GROUP_BYTES // max(1, math.prod(shape) * dtype.itemsize))
-            for start in range(0, len(members), per_chunk):
-                chunk = members[start : start + per_chunk]
-                hashes = [name_hash for _, name_hash in chunk]
-                if not isinstance(prng_key, jax.core.Tracer):  # Eager: reuse compiles across sizes.
-                    hashes += [0] * ((1 << (len(hashes) - 1).bit_length()) - len(hashes))
-                hashes = jnp.asarray(hashes, jnp.uint32)
-                drawn = _draw_group(prng_key, hashes, initializer=initializer, shape=shape, dtype=dtype)
-                for (i, _), value in zip(chunk, drawn, strict=False):  # Padding draws are dropped.
-                    values[i] = value
+            drawn = _draw_batched(prng_key, [name_hash for _, name_hash in members], initializer, shape, dtype)
+            for (i, _), value in zip(members, drawn, strict=True):
+                values[i] = value
         return jax.tree_util.tree_unflatten(treedef, values)
 
     # -- Inside an invocation context ----------------------------------------------
@@ -354,6 +347,20 @@ _GROUP_BYTES = 256 * 2**20
 
 def _fold_in(key: jax.Array, name_hash: int) -> jax.Array:
     return jax.random.fold_in(key, jnp.asarray(name_hash, jnp.uint32))
+
+
+def _draw_batched(key: jax.Array, name_hashes: list[int], initializer, shape: tuple, dtype) -> list[jax.Array]:
+    """One draw per name hash, in chunks of at most `_GROUP_BYTES` (see `_draw_group`)."""
+    per_chunk = max(1, _GROUP_BYTES // max(1, math.prod(shape) * dtype.itemsize))
+    drawn: list[jax.Array] = []
+    for start in range(0, len(name_hashes), per_chunk):
+        hashes = name_hashes[start : start + per_chunk]
+        n = len(hashes)
+        if not isinstance(key, jax.core.Tracer):  # Eager: pad to a power of two to reuse compiles.
+            hashes = hashes + [0] * ((1 << (n - 1).bit_length()) - n)
+        group = _draw_group(key, jnp.asarray(hashes, jnp.uint32), initializer=initializer, shape=shape, dtype=dtype)
+        drawn.extend(group[:n])  # Padding draws are dropped.
+    return drawn
 
 
 @functools.partial(jax.jit, static_argnames=("initializer", "shape", "dtype"))

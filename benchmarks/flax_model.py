@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from benchmarks.pure_jax_model import Hyper, ModelShape, apply_rope, rope_tables
+from benchmarks.pure_jax_model import Hyper, ModelShape, apply_rope, make_optimizer, rope_tables
 
 
 def _normal(fan_in: int):
@@ -110,17 +110,7 @@ def functional_step(model: Decoder, hyper: Hyper):
     The step is the functional split/merge training loop's, jitted with donation.
     """
     graphdef, params = nnx.split(model, nnx.Param)
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(hyper.max_grad_norm),
-        optax.adamw(
-            hyper.learning_rate,
-            b1=hyper.b1,
-            b2=hyper.b2,
-            eps=hyper.eps,
-            weight_decay=hyper.weight_decay,
-            mask=decay_mask(params),
-        ),
-    )
+    optimizer = make_optimizer(params, hyper, mask=decay_mask(params))
 
     def loss_fn(params, batch):
         logits = nnx.merge(graphdef, params)(batch["input_ids"])

@@ -181,7 +181,8 @@ def decay_mask(params: dict) -> dict:
     return jax.tree_util.tree_map_with_path(lambda path, _: not path[-1].key.endswith("norm"), params)
 
 
-def make_optimizer(params: dict, hyper: Hyper) -> optax.GradientTransformation:
+def make_optimizer(params: Any, hyper: Hyper, mask: Any = None) -> optax.GradientTransformation:
+    """Clip, then AdamW with weight decay on `mask` (default: `decay_mask(params)`)."""
     return optax.chain(
         optax.clip_by_global_norm(hyper.max_grad_norm),
         optax.adamw(
@@ -190,7 +191,7 @@ def make_optimizer(params: dict, hyper: Hyper) -> optax.GradientTransformation:
             b2=hyper.b2,
             eps=hyper.eps,
             weight_decay=hyper.weight_decay,
-            mask=decay_mask(params),
+            mask=decay_mask(params) if mask is None else mask,
         ),
     )
 

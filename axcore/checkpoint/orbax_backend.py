@@ -2,8 +2,8 @@
 
 Layout: `<directory>/<step>/` holds two items, `state` (the arrays, written by
 orbax's PyTree handler: OCDBT, zarr, uncompressed unless `compress=True`) and `meta`
-(JSON: the caller's metadata plus the tree index used to report mismatches), and orbax's `commit_success.txt`. Saves use orbax's
-commit-file atomicity, so a step counts only once that marker exists; an
+(JSON: the caller's metadata plus the tree index used to report mismatches), and
+orbax's `commit_success.txt`. Saves use orbax's commit-file atomicity, so a step counts only once that marker exists; an
 interrupted save leaves a directory without it, which is ignored and replaced when
 that step is saved again. Nothing is pickled.
 """

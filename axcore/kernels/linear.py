@@ -58,7 +58,7 @@ class XlaLinear:
         return SUPPORTED
 
     def __call__(self, x: jax.Array, w: jax.Array) -> jax.Array:
-        return jnp.einsum("...i,io->...o", x, w)
+        return _linear(x, w)
 
 
 class XlaCpuLinear:
@@ -76,13 +76,15 @@ class XlaCpuLinear:
         return _linear_cpu(x, w)
 
 
-@jax.custom_vjp
-def _linear_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
+def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...i,io->...o", x, w)
 
 
+_linear_cpu = jax.custom_vjp(_linear)
+
+
 def _linear_cpu_fwd(x, w):
-    return _linear_cpu(x, w), (x, w)
+    return _linear(x, w), (x, w)
 
 
 def _linear_cpu_bwd(residuals, g):
