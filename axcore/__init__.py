@@ -37,7 +37,7 @@ _EXPORTS = {
         "UnknownFieldError",
         "UnknownPluginError",
     ],
-    "axcore.hookspecs": ["hookimpl", "hookspec"],
+    "axcore.markers": ["hookimpl", "hookspec"],
     "axcore.module": ["InvocationContext", "Module", "OutputCollection", "functional"],
     "axcore.params": ["ParameterSpec"],
     "axcore.plugins": ["AxcorePluginManager", "PluginRequest", "create_plugin_manager"],
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
         UnknownPluginError,
     )
     from axcore.experiment import Experiment, ExperimentConfig, load_experiment
-    from axcore.hookspecs import hookimpl, hookspec
+    from axcore.markers import hookimpl, hookspec
     from axcore.module import InvocationContext, Module, OutputCollection, functional
     from axcore.params import ParameterSpec
     from axcore.plugins import AxcorePluginManager, PluginRequest, create_plugin_manager

@@ -5,18 +5,27 @@
     axcore plugins [EXPERIMENT]                        installed plugins and what they hook
     axcore compile EXPERIMENT [--set ...]              ahead-of-time compile report, no training
     axcore loc                                         integration cost of each installed plugin
+    axcore NAME [ARGS ...]                             a command added by a plugin
 
-Only argparse is imported at module level, so `axcore --help` never imports JAX.
-Bad input (an AxcoreError) prints one line and exits with status 2.
+Only argparse (and the names of the built-in commands) is imported at module level,
+so `axcore --help` never imports JAX. Plugin commands (`axcore_register_commands`)
+are looked up, by building plugin managers, only when the first argument is not a
+built-in command. Bad input (an AxcoreError) prints one line and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from axcore.commands import BUILTIN_COMMANDS
 
 EXIT_USAGE = 2
+PLUGIN_COMMANDS_HELP = (
+    "Installed plugins can add commands (hook axcore_register_commands); 'axcore plugins' lists them."
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,7 +54,7 @@ def _add_experiment(parser: argparse.ArgumentParser, *, required: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="axcore", description="Plugin-based large-model training on JAX.")
+    parser = _Parser(prog="axcore", description="Plugin-based large-model training on JAX.", epilog=PLUGIN_COMMANDS_HELP)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     train = sub.add_parser("train", help="train a model from an experiment")
     _add_experiment(train, required=False)
@@ -91,6 +100,10 @@ def _cmd_plugins(args) -> int:
     for row in [header, *rows]:
         cells = [str(c).ljust(w) for c, w in zip(row[:4], widths)]
         print("  ".join([*cells, str(row[4])]))
+    commands = _plugin_commands(None).found
+    print("\nCommands added by plugins:" if commands else "\nNo plugin adds commands.")
+    for name, entry in sorted(commands.items()):
+        print(f"  axcore {name}  (plugin {entry.provenance.plugin}) {entry.value.help}".rstrip())
     return 0
 
 
@@ -119,11 +132,59 @@ COMMANDS = {
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _plugin_commands(objects: Mapping[str, Any] | None, name: str | None = None):
+    """Commands registered by built-in plugins, `objects` and installed plugins (see `search_plugins`)."""
+    from axcore.experiment import search_plugins
+
+    return search_plugins("commands", objects=objects, name=name)
+
+
+def _run_plugin_command(name: str, argv: Sequence[str], objects: Mapping[str, Any] | None) -> int:
+    """Runs plugin command `name` with its arguments `argv`."""
+    from axcore.errors import AxcoreError, did_you_mean
+
+    search = _plugin_commands(objects, name)
+    entry = search.found.get(name)
+    if entry is None:
+        plugin_commands = sorted(search.found)
+        hint = did_you_mean(name, [*BUILTIN_COMMANDS, *plugin_commands])
+        broken = f"; plugins that could not be searched: {', '.join(sorted(search.broken))}" if search.broken else ""
+        print(
+            f"axcore: error: argument COMMAND: invalid choice: '{name}'{hint}; commands: "
+            f"{', '.join(BUILTIN_COMMANDS)}; plugin commands: {', '.join(plugin_commands) or 'none'}{broken} "
+            f"(see 'axcore --help')",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    command = entry.value
+    parser = _Parser(prog=f"axcore {name}", description=command.help or None)
+    if command.add_arguments is not None:
+        command.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        status = command.run(args)
+    except AxcoreError as e:
+        print(f"axcore: error: {name} (plugin '{entry.provenance.plugin}'): {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0 if status is None else int(status)
+
+
+def main(argv: Sequence[str] | None = None, *, objects: Mapping[str, Any] | None = None) -> int:
+    """Runs the `axcore` command; returns its exit status.
+
+    Args:
+        argv: the arguments after `axcore`; None = `sys.argv[1:]`.
+        objects: plugin objects by name, searched for commands before installed
+            plugins (tests, notebooks).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    plugin_command = bool(argv) and not argv[0].startswith("-") and argv[0] not in COMMANDS
+    args = None if plugin_command else build_parser().parse_args(argv)
     from axcore.errors import AxcoreError
 
     try:
+        if plugin_command:
+            return _run_plugin_command(argv[0], argv[1:], objects)
         return COMMANDS[args.command](args)
     except AxcoreError as e:
         print(f"axcore: error: {_one_line(e)}", file=sys.stderr)

@@ -16,23 +16,30 @@ the first matching mesh rule fills the mesh and applies its config modifiers.
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
 
 from axcore.config import ConfigBase, InstantiableConfig, dump_flat, from_dict, parse_override
 from axcore.config.serialize import flatten, format_value, nest_path, safe_load, to_dict
-from axcore.data import InputConfig
-from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
+from axcore.data import ByteTokenizer, InputConfig, Tokenizer
+from axcore.errors import ConfigError, PluginError, UnknownFieldError, did_you_mean
+from axcore.experiments import experiment_text
 from axcore.layers import CausalLM
 from axcore.mesh import detect_instance_type, select_mesh_rule
-from axcore.plugins import AxcorePluginManager, PluginRequest, create_plugin_manager
-from axcore.trainer.config import TrainerConfig
-
-BUILTIN_EXPERIMENTS = "axcore.experiments"
+from axcore.plugins import (
+    BUILTIN_DISTRIBUTION,
+    AxcorePluginManager,
+    PluginRequest,
+    autoload_disabled,
+    create_plugin_manager,
+    installed_entry_points,
+)
+from axcore.registry import Registration, Registry
+from axcore.trainer.config import TrainerConfig, check_trainer_config
+from axcore.trainer.learner import check_component
 
 
 class MeshConfig(ConfigBase):
@@ -70,6 +77,8 @@ class ExperimentConfig(ConfigBase):
     model: InstantiableConfig = default_model()
     # Input pipeline.
     input: InputConfig = InputConfig()
+    # Text <-> token ids: a registered tokenizer (bytes, or a plugin's); the end-of-run sample uses it.
+    tokenizer: InstantiableConfig = ByteTokenizer.default_config()
     # Training loop.
     trainer: TrainerConfig = TrainerConfig()
     # Device mesh.
@@ -109,26 +118,95 @@ class Experiment:
         return data
 
 
+@dataclasses.dataclass
+class SearchResult:
+    """Registrations of one family found among built-in, given and installed plugins."""
+
+    # Name -> registration.
+    found: dict[str, Registration]
+    # Plugin -> why it could not be searched (it failed to load or to register).
+    broken: dict[str, str]
+
+
+def _builtin_registry(family: str) -> Registry:
+    """Family `family` of a manager with only the built-in plugins."""
+    return create_plugin_manager().registries.family(family)
+
+
+def search_plugins(
+    family: str, *, objects: Mapping[str, Any] | None = None, installed: bool = True, name: str | None = None
+) -> SearchResult:
+    """What the built-in plugins, the plugins given as `objects` and installed plugins register in `family`.
+
+    Searched in that order; with `name`, the search stops at the first of the three
+    that provides it (so a built-in name loads no plugin). Each plugin is loaded on
+    its own, with the built-ins, so plugins that could never be enabled together do
+    not conflict and a broken one is reported in `broken` instead of stopping the
+    search. Installed plugins are searched unless `installed` is False or
+    AXCORE_DISABLE_PLUGIN_AUTOLOAD is set. Names follow the usual rule: one name from
+    two places is an error naming both, unless exactly one says override=True.
+
+    Raises:
+        DuplicateComponentError: one name from two places, neither overriding the other.
+    """
+    builtin = _builtin_registry(family)
+    merged: Registry = Registry(builtin.kind)
+    for n in builtin:
+        entry = builtin.entry(n)
+        merged.register(n, entry.value, entry.provenance, entry.override)
+    broken: dict[str, str] = {}
+    objects = dict(objects or {})
+    phases = [sorted(objects)]
+    if installed and not autoload_disabled():
+        phases.append(sorted(set(installed_entry_points()) - set(objects)))
+    for plugins in phases:
+        if name is not None and name in merged:
+            break
+        for plugin in plugins:
+            try:
+                registry = create_plugin_manager([plugin], objects=objects).registries.family(family)
+            except PluginError as e:
+                broken[plugin] = " ".join(str(e).split())
+                continue
+            for n in registry:
+                entry = registry.entry(n)
+                if entry.provenance.plugin == plugin:
+                    merged.register(n, entry.value, entry.provenance, entry.override)
+    return SearchResult({n: merged.entry(n) for n in merged}, broken)
+
+
 def builtin_experiments() -> list[str]:
-    """Names of the experiments shipped with axcore."""
-    files = importlib.resources.files(BUILTIN_EXPERIMENTS).iterdir()
-    return sorted(f.name[: -len(".yaml")] for f in files if f.name.endswith(".yaml"))
+    """Names of the experiments the built-in plugins ship (axcore/experiments/*.yaml)."""
+    return _builtin_registry("experiments").names()
 
 
-def read_experiment_file(source: str | os.PathLike | None) -> tuple[dict, str]:
-    """Raw YAML mapping of a file path or built-in name (None = "default")."""
+def _looks_like_path(source: str) -> bool:
+    return os.sep in source or "/" in source or source.endswith((".yaml", ".yml"))
+
+
+def read_experiment_file(
+    source: str | os.PathLike | None, *, objects: Mapping[str, Any] | None = None
+) -> tuple[dict, str]:
+    """Raw YAML mapping of a file path or a registered experiment name (None = "default").
+
+    A name is looked up among the built-in plugins, then `objects`, then installed
+    plugins (see `search_plugins`; a path-like name searches no installed plugin);
+    the experiment's own `plugins:` list decides which plugins it enables.
+    """
     source = "default" if source is None else os.fspath(source)
     if os.path.isfile(source):
         with open(source, encoding="utf-8") as f:
             text, label = f.read(), source
-    elif source in builtin_experiments():
-        text = importlib.resources.files(BUILTIN_EXPERIMENTS).joinpath(f"{source}.yaml").read_text("utf-8")
-        label = f"<built-in experiment {source}>"
     else:
-        raise ConfigError(
-            f"Experiment '{source}' is neither a file nor a built-in experiment "
-            f"({', '.join(builtin_experiments())}); check the path."
-        )
+        search = search_plugins("experiments", objects=objects, installed=not _looks_like_path(source), name=source)
+        entry = search.found.get(source)
+        if entry is None:
+            raise ConfigError(_unknown_experiment(source, search))
+        text = experiment_text(entry.value)
+        if entry.provenance.distribution == BUILTIN_DISTRIBUTION:
+            label = f"<built-in experiment {source}>"
+        else:
+            label = f"<experiment {source} of {entry.provenance}>"
     try:
         data = safe_load(text)
     except yaml.YAMLError as e:
@@ -138,6 +216,20 @@ def read_experiment_file(source: str | os.PathLike | None) -> tuple[dict, str]:
     if not isinstance(data, dict):
         raise ConfigError(f"{label}: an experiment file must be a mapping, got {type(data).__name__}.")
     return data, label
+
+
+def _unknown_experiment(source: str, search: SearchResult) -> str:
+    available = [
+        name if entry.provenance.distribution == BUILTIN_DISTRIBUTION else f"{name} (plugin {entry.provenance.plugin})"
+        for name, entry in sorted(search.found.items())
+    ]
+    message = (
+        f"Experiment '{source}' is neither a file nor a built-in experiment{did_you_mean(source, search.found)}; "
+        f"available: {', '.join(available) or 'none'}. Check the path, or install the plugin that ships it."
+    )
+    if search.broken:
+        message += f" Plugins that could not be searched: {', '.join(sorted(search.broken))} (see 'axcore plugins')."
+    return message
 
 
 def _platform() -> str:
@@ -157,17 +249,19 @@ def load_experiment(
     """Reads, overrides, transforms and lays out an experiment.
 
     Args:
-        source: a YAML file path or a built-in experiment name; None = "default".
+        source: a YAML file path or a registered experiment name (built-in or shipped
+            by a plugin, see `read_experiment_file`); None = "default".
         overrides: `PATH=VALUE` strings (YAML-typed values), applied after the file;
             paths may start with a plugin name to set that plugin's settings, and
             `plugins=[...]` replaces the list.
-        objects: plugin objects by name, registered directly (tests, notebooks).
+        objects: plugin objects by name, registered directly (tests, notebooks); their
+            experiments can be loaded by name.
         platform: hardware platform whose plugin is autoloaded; None = detected.
 
     Raises:
         AxcoreError subclasses naming the offending file, key, path or plugin.
     """
-    raw, label = read_experiment_file(source)
+    raw, label = read_experiment_file(source, objects=objects)
     parsed = [parse_override(o) for o in overrides]
     for path, value in parsed:
         if path == "plugins":
@@ -201,7 +295,15 @@ def load_experiment(
     if not isinstance(config, ExperimentConfig):
         raise ConfigError("A plugin's config transform replaced the experiment root; transform its parts only.")
     config = resolve_mesh(config, manager)
+    check_experiment_config(config, manager)
     return Experiment(config, manager, settings, label)
+
+
+def check_experiment_config(config: ExperimentConfig, manager: AxcorePluginManager) -> None:
+    """Checks the components the registries must know (optimizer, schedule, writers, tokenizer, backend)."""
+    registries = manager.registries
+    check_component(config.tokenizer, Tokenizer, "tokenizer", names=registries.tokenizers.names())
+    check_trainer_config(config.trainer, registries)
 
 
 def _deep_merge(into: dict, update: dict) -> None:

@@ -4,38 +4,63 @@ Plugins implement any subset of these with `@axcore.hookimpl`; an implementation
 declare fewer arguments than the spec (pluggy passes only those it names), so specs
 only ever gain arguments and old plugins keep working.
 
-Calling convention: axcore calls each plugin's implementation on its own, built-in
-plugins first and then the plugins of the experiment's `plugins:` list in list
-order, so every registration knows which plugin and distribution made it and every
-transform sees the result of the previous one. Nothing here stops at the first
+Calling convention: pluggy calls the hooks, one plugin at a time (through
+`PluginManager.subset_hook_caller`): built-in plugins first, then the plugins of the
+experiment's `plugins:` list in list order, then an autoloaded hardware plugin, so
+every registration knows which plugin and distribution made it and every transform
+sees the result of the previous one. The order is axcore's, so implementations may
+not ask for another: `tryfirst`, `trylast`, `wrapper` and `hookwrapper` are refused
+when the plugin is registered (PluginLoadError). Nothing here stops at the first
 non-None result.
 
 Phases:
+0. Hookspecs (`axcore_add_hookspecs`): a plugin adds hooks of its own (e.g. a new
+   registry family) when it is registered.
 1. Registration (`axcore_register_*`): fill typed registries through a `register`
-   callback. A name registered twice is an error naming both distributions unless
-   exactly one registration passes `override=True` (that one wins).
+   callback. Each registration spec declares the registry family it fills with
+   `@registers(Family(...))` (name, kind of entry, validator, whether configs may
+   name entries); `registries.<family>` is built from these declarations. A name
+   registered twice is an error naming both distributions unless exactly one
+   registration passes `override=True` (that one wins).
 2. Settings (`axcore_settings_config`): declare the config of the plugin's own
    top-level section in the experiment file.
-3. Config transform (`axcore_transform_config`): an enabled feature plugin edits
-   the experiment's config tree.
+3. Config transform (`axcore_transform_config`): a plugin listed in `plugins:`
+   edits the experiment's config tree.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-import pluggy
+from axcore.commands import command_callback, command_validator
+from axcore.config import Configurable
+from axcore.data.tokenizer import Tokenizer
+from axcore.experiments import experiment_source_validator
+from axcore.kernels.registry import KernelRegistry, OpRegistry, fixed_op_callback
+from axcore.layers.position import PositionEmbedding
+from axcore.markers import PROJECT_NAME, hookimpl, hookspec
+from axcore.mesh import MeshRule
+from axcore.module import Module
+from axcore.observe.factories import MetricsWriterFactory
+from axcore.registry import (
+    Family,
+    NamedRegistry,
+    callable_validator,
+    instance_validator,
+    module_class_validator,
+    registers,
+)
+from axcore.trainer.optimizers import Optimizer
+from axcore.trainer.schedules import Schedule
 
 if TYPE_CHECKING:
     from axcore.config import ConfigBase
-    from axcore.kernels.registry import Kernel
-    from axcore.mesh import MeshRule
+    from axcore.kernels.registry import Kernel, Op
     from axcore.registry import Registries
 
-PROJECT_NAME = "axcore"
+__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
 
-hookspec = pluggy.HookspecMarker(PROJECT_NAME)
-hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+KERNELS = Family("kernels", "kernel", registry_class=KernelRegistry)
 
 
 class RegisterComponent(Protocol):
@@ -43,20 +68,42 @@ class RegisterComponent(Protocol):
 
 
 class RegisterKernel(Protocol):
-    def __call__(self, op: str, kernel: Kernel, *, override: bool = False) -> None: ...
+    def __call__(self, op: Op | str, kernel: Kernel, *, override: bool = False) -> None: ...
 
 
-class RegisterAttentionKernel(Protocol):
-    def __call__(self, kernel: Kernel, *, override: bool = False) -> None: ...
+class RegisterNamed(Protocol):
+    def __call__(self, value: Any, *, override: bool = False) -> None: ...
 
 
-class RegisterMeshRule(Protocol):
-    def __call__(self, rule: MeshRule, *, override: bool = False) -> None: ...
+class RegisterCommand(Protocol):
+    def __call__(
+        self, name: str, run: Any, *, add_arguments: Any = None, help: str = "", override: bool = False
+    ) -> None: ...
+
+
+# -- Phase 0: hookspecs ------------------------------------------------------------------
+
+
+@hookspec
+def axcore_add_hookspecs(add_hookspecs: Any) -> None:
+    """Add hookspecs of this plugin's own (a new registry family, a hook for other plugins).
+
+    Args:
+        add_hookspecs: `add_hookspecs(module_or_class)`; every `axcore_*` function in
+            it marked with `@axcore.hookspec` becomes a hook. A registration spec
+            decorated with `@axcore.registry.registers(Family(...))` adds registry
+            family `registries.<name>`, filled by the plugins implementing it.
+
+    Returns nothing. Called once, right after this plugin is registered with a plugin
+    manager, before any registration hook; other plugins may implement the new hooks
+    whether they were registered before or after (check_pending runs after all).
+    """
 
 
 # -- Phase 1: registration -------------------------------------------------------------
 
 
+@registers(Family("layers", "layer", module_class_validator(Module), config_names=True))
 @hookspec
 def axcore_register_layers(register: RegisterComponent) -> None:
     """Register layer classes that configs can name with `type: <name>`.
@@ -73,6 +120,9 @@ def axcore_register_layers(register: RegisterComponent) -> None:
     """
 
 
+@registers(
+    Family("position_embeddings", "position embedding", module_class_validator(PositionEmbedding), config_names=True)
+)
 @hookspec
 def axcore_register_position_embeddings(register: RegisterComponent) -> None:
     """Register position embedding layers that can fill a position-embedding slot.
@@ -86,39 +136,63 @@ def axcore_register_position_embeddings(register: RegisterComponent) -> None:
     """
 
 
+@registers(KERNELS, fixed_op_callback("attention"))
 @hookspec
-def axcore_register_attention_kernels(register: RegisterAttentionKernel) -> None:
-    """Register implementations of the attention op.
+def axcore_register_attention_kernels(register: RegisterNamed) -> None:
+    """Register implementations of the `attention` op (shorthand for `axcore_register_kernels`).
 
     Args:
-        register: `register(kernel, *, override=False)`; `kernel` has `name`,
-            `priority`, `is_supported(AttentionProblem) -> Support` and is callable as
-            `kernel(q, k, v, *, causal, bias, kv_mask, scale)` with the layouts of
+        register: `register(kernel, *, override=False)`; the same as
+            `axcore_register_kernels`'s `register("attention", kernel)`. `kernel` has
+            `name`, `priority`, `is_supported(AttentionProblem) -> Support` and is
+            callable as `kernel(problem, q, k, v, **inputs)` with the layouts of
             `axcore.kernels.attention`.
 
     Returns nothing. Called like the other registration hooks. At trace time the
     attention layer tries kernels by descending priority (ties by name) and uses the
-    first that supports the problem; the built-in `xla` kernel (priority 0) is the
-    fallback. Registration order never decides which kernel runs.
+    first that supports the problem; the op's reference kernel `xla` (priority 0)
+    is the fallback. Registration order never decides which kernel runs.
     """
 
 
+@registers(Family("ops", "op", registry_class=OpRegistry))
 @hookspec
-def axcore_register_kernels(register: RegisterKernel) -> None:
-    """Register kernels for other ops (norms, losses, quantized matmuls, ...).
+def axcore_register_ops(register: RegisterNamed) -> None:
+    """Declare ops: named computations that layers call and kernels implement.
 
     Args:
-        register: `register(op, kernel, *, override=False)` with `kernel` as in
-            `axcore_register_attention_kernels`; `op` names the operation (e.g.
-            "rms_norm"), and each op defines its own problem type and call signature.
+        register: `register(op, *, override=False)` with an `axcore.kernels.Op`: its
+            `name`, its `problem_type` (a subclass of `axcore.kernels.Problem`) and a
+            `reference` kernel that supports every problem (registered with it).
 
-    Returns nothing. Called like the other registration hooks; selection per op is
-    by priority and `is_supported`, as for attention.
+    Returns nothing. Called like the other registration hooks, and every plugin's
+    ops are registered before any kernel is checked: a kernel registered for an op
+    that no plugin declares is an error naming the plugin, and so is a layer
+    calling an unknown op. The built-in ops are `dot` and `attention`.
     """
 
 
+@registers(KERNELS)
 @hookspec
-def axcore_register_mesh_rules(register: RegisterMeshRule) -> None:
+def axcore_register_kernels(register: RegisterKernel) -> None:
+    """Register kernels of declared ops (matmuls, attention, norms, quantized dots, ...).
+
+    Args:
+        register: `register(op, kernel, *, override=False)`; `op` is a registered
+            `Op` or its name; `kernel` has `name`, `priority`, `is_supported(problem)
+            -> Support` and is callable as `kernel(problem, *inputs, **optional)`. It
+            may define `state_specs(problem)` for state of its own (see
+            `axcore.kernels.Kernel`).
+
+    Returns nothing. Called like the other registration hooks; selection per op is
+    by descending priority and `is_supported` (ties by name); a kernel name given
+    twice for one op follows the duplicate-name rule.
+    """
+
+
+@registers(Family("mesh_rules", "mesh rule", instance_validator(MeshRule), registry_class=NamedRegistry))
+@hookspec
+def axcore_register_mesh_rules(register: RegisterNamed) -> None:
     """Register mesh rules mapping instance types to meshes and config modifiers.
 
     Args:
@@ -130,6 +204,7 @@ def axcore_register_mesh_rules(register: RegisterMeshRule) -> None:
     """
 
 
+@registers(Family("checkpoint_backends", "checkpoint backend", callable_validator))
 @hookspec
 def axcore_register_checkpoint_backends(register: RegisterComponent) -> None:
     """Register checkpoint backends by name.
@@ -143,6 +218,7 @@ def axcore_register_checkpoint_backends(register: RegisterComponent) -> None:
     """
 
 
+@registers(Family("data_sources", "data source", module_class_validator(Configurable), config_names=True))
 @hookspec
 def axcore_register_data_sources(register: RegisterComponent) -> None:
     """Register input data sources that configs can name with `type: <name>`.
@@ -155,6 +231,117 @@ def axcore_register_data_sources(register: RegisterComponent) -> None:
     Returns nothing. Called like the other registration hooks (built-ins first, then
     enabled plugins in `plugins:` order; the same duplicate-name rule). Names share
     the config namespace with layers and position embeddings.
+    """
+
+
+@registers(Family("optimizers", "optimizer", module_class_validator(Optimizer), config_names=True))
+@hookspec
+def axcore_register_optimizers(register: RegisterComponent) -> None:
+    """Register optimizers that `trainer.learner.optimizer` can name with `type: <name>`.
+
+    Args:
+        register: `register(name, optimizer_class, *, override=False)`; the class must
+            subclass `axcore.trainer.Optimizer` (a Configurable whose `transform()`
+            returns an optax GradientTransformation giving the update direction; the
+            learner adds clipping, weight decay, the schedule and the freezing of
+            non-trainable parameters).
+
+    Returns nothing. Called like the other registration hooks (built-ins first, then
+    enabled plugins in `plugins:` order; the same duplicate-name rule). Names share
+    the config namespace with layers, data sources and the other config-nameable
+    families. The built-ins are adamw, adafactor, lion and sgd.
+    """
+
+
+@registers(Family("schedules", "learning-rate schedule", module_class_validator(Schedule), config_names=True))
+@hookspec
+def axcore_register_schedules(register: RegisterComponent) -> None:
+    """Register learning-rate schedules that `trainer.learner.schedule` can name with `type: <name>`.
+
+    Args:
+        register: `register(name, schedule_class, *, override=False)`; the class must
+            subclass `axcore.trainer.Schedule` (a Configurable with `warmup_steps`
+            whose `after_warmup(peak, num_steps)` returns step -> learning rate).
+
+    Returns nothing. Called like the other registration hooks (same order, same
+    duplicate-name rule, one config namespace). The built-ins are constant, cosine,
+    linear_decay and wsd (warmup-stable-decay).
+    """
+
+
+@registers(Family("tokenizers", "tokenizer", module_class_validator(Tokenizer), config_names=True))
+@hookspec
+def axcore_register_tokenizers(register: RegisterComponent) -> None:
+    """Register tokenizers that the experiment's `tokenizer:` can name with `type: <name>`.
+
+    Args:
+        register: `register(name, tokenizer_class, *, override=False)`; the class must
+            subclass `axcore.data.Tokenizer` (a Configurable with `vocab_size`,
+            `encode(text)` -> int32 ids and `decode(ids)` -> text).
+
+    Returns nothing. Called like the other registration hooks (same order, same
+    duplicate-name rule, one config namespace). The built-in is `bytes` (one token
+    per UTF-8 byte); the end-of-run sample encodes and decodes with the chosen one.
+    """
+
+
+@registers(
+    Family("metrics_writers", "metrics writer", module_class_validator(MetricsWriterFactory), config_names=True)
+)
+@hookspec
+def axcore_register_metrics_writers(register: RegisterComponent) -> None:
+    """Register metrics writers that `trainer.metrics_writers` can list as `{type: <name>}`.
+
+    Args:
+        register: `register(name, factory_class, *, override=False)`; the class must
+            subclass `axcore.observe.MetricsWriterFactory` (a Configurable whose
+            `create(run_dir)` returns a writer with `write(step, {name: float})` and
+            `close()`).
+
+    Returns nothing. Called like the other registration hooks (same order, same
+    duplicate-name rule, one config namespace). The built-ins are jsonl and
+    tensorboard; the trainer writes every fetched record to each listed writer in
+    list order and closes them all at the end of the run.
+    """
+
+
+@registers(Family("experiments", "experiment", experiment_source_validator))
+@hookspec
+def axcore_register_experiments(register: RegisterComponent) -> None:
+    """Ship experiments that `axcore train NAME` and `load_experiment(NAME)` find by name.
+
+    Args:
+        register: `register(name, source, *, override=False)`; `source` is the
+            experiment's YAML text (a str) or its file (a `pathlib.Path` or an
+            `importlib.resources` file). The YAML lists the plugins it needs under
+            `plugins:` like any experiment file.
+
+    Returns nothing. Called like the other registration hooks. A name is looked up
+    among the built-in plugins (which ship axcore/experiments/*.yaml), then plugins
+    given as objects, then installed plugins, each loaded on its own (unless
+    AXCORE_DISABLE_PLUGIN_AUTOLOAD is set); one name from two plugins is an error
+    naming both unless exactly one says override=True, and an unknown name lists
+    the available ones.
+    """
+
+
+@registers(Family("commands", "command", command_validator), command_callback)
+@hookspec
+def axcore_register_commands(register: RegisterCommand) -> None:
+    """Add sub-commands to the `axcore` command line (`axcore NAME [ARGS...]`).
+
+    Args:
+        register: `register(name, run, *, add_arguments=None, help="", override=False)`;
+            `add_arguments(parser)` adds the command's arguments to an argparse parser,
+            `run(args)` runs it and returns the exit status (None for 0). Raise an
+            `axcore.AxcoreError` for bad input: it is printed as one line, exit 2.
+
+    Returns nothing. Called like the other registration hooks. The CLI looks a
+    command up only when the first argument of `axcore` is not a built-in command
+    (so `axcore --help` loads no plugin): built-in plugins first, then installed
+    plugins, each loaded on its own (unless AXCORE_DISABLE_PLUGIN_AUTOLOAD is set).
+    Built-in command names may not be registered; one name from two plugins is an
+    error naming both unless exactly one says override=True.
     """
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from axcore.errors import AxcoreError
-from axcore.hookspecs import hookimpl
+from axcore.markers import hookimpl
 
 # A config modifier takes a config tree and returns a new one (never edits in place).
 ConfigModifier = Callable[[Any], Any]

@@ -224,17 +224,21 @@ class Module(Configurable):
 
     @property
     def registries(self) -> Registries:
-        """Component registries of the plugin manager that built this tree.
+        """Registries of the plugin manager that built this tree (kernels, layers, ...).
 
-        A root instantiated without registries gets the built-in ones (no third-party
-        plugins), created on first use.
+        Raises:
+            InvocationError: the root was instantiated without `registries=`; there is
+                no fallback, since a built-ins-only registry would silently drop
+                every plugin kernel.
         """
         if self._parent is not None:
             return self._parent.registries
         if self._registries is None:
-            from axcore.plugins import builtin_registries  # Lazy: plugins import layers.
-
-            self._registries = builtin_registries()
+            raise InvocationError(
+                f"{self.path} needs the experiment's registries (for kernels), but was instantiated "
+                f"without them; build it with cfg.instantiate(name=..., registries=experiment.registries) "
+                f"or registries=axcore.create_plugin_manager([...]).registries."
+            )
         return self._registries
 
     def _add_child(self, name: str, cfg: ClassConfig, **kwargs) -> Module:

@@ -37,6 +37,9 @@ class ParameterSpec:
     mesh_axes: tuple[str | None, ...] | None = None
     # Multiplier on the optimizer's weight decay for this parameter (0 disables it).
     weight_decay_scale: float = 1.0
+    # False for state the optimizer never updates (e.g. a kernel's quantization scales);
+    # its new value comes from the step's `state_updates`.
+    trainable: bool = True
 
     def __post_init__(self):
         if self.mesh_axes is not None and len(self.mesh_axes) != len(self.shape):

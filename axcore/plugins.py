@@ -15,7 +15,6 @@ import importlib
 import importlib.metadata
 import inspect
 import os
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,22 +24,24 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 from axcore import hookspecs
-from axcore.config import ConfigBase, flatten, from_dict
+from axcore.config import ConfigBase, from_dict
 from axcore.errors import (
     ConfigError,
     NoMatchError,
-    PluginConflictError,
     PluginError,
     PluginLoadError,
     PluginVersionError,
     UnknownPluginError,
     did_you_mean,
 )
-from axcore.registry import Provenance, Registries
+from axcore.registry import FamilyHook, Provenance, Registries, family_hook
+from axcore.write_log import WriteLog
 
 ENTRY_POINT_GROUP = "axcore"
 DISABLE_AUTOLOAD_ENV = "AXCORE_DISABLE_PLUGIN_AUTOLOAD"
 BUILTIN_DISTRIBUTION = "axcore"
+# Hook implementation options that would reorder plugins; axcore refuses them (it orders by `plugins:`).
+_REFUSED_OPTIONS = ("tryfirst", "trylast", "wrapper", "hookwrapper")
 
 # Core modules that are plugins, registered first (like pytest's default_plugins).
 BUILTIN_PLUGINS = (
@@ -49,6 +50,9 @@ BUILTIN_PLUGINS = (
     "axcore.mesh",
     "axcore.data.plugin",
     "axcore.checkpoint.plugin",
+    "axcore.trainer.plugin",
+    "axcore.observe.plugin",
+    "axcore.experiments.plugin",
 )
 
 
@@ -83,10 +87,12 @@ class PluginInfo:
     plugin: Any
     distribution: str
     version: str
-    # "builtin", "entry-point" or "object" (registered directly by code).
+    # "builtin", "entry-point", "platform" (autoloaded for the detected platform) or "object".
     source: str
-    # Whether its settings and config transform are applied.
+    # Whether its registration hooks fill the manager's registries.
     enabled: bool
+    # Whether its settings and config transform apply: built-ins and plugins listed in `plugins:`.
+    listed: bool = True
 
 
 def autoload_disabled() -> bool:
@@ -128,8 +134,14 @@ class AxcorePluginManager:
         version: str = "0",
         source: str = "object",
         enabled: bool = True,
+        listed: bool = True,
     ) -> PluginInfo:
-        """Registers a plugin object (module or instance) under `name`."""
+        """Registers a plugin object (module or instance) under `name`.
+
+        Raises:
+            PluginLoadError: an implementation has an unknown argument or asks for an
+                ordering axcore does not honour (tryfirst, trylast, wrapper, hookwrapper).
+        """
         if name in self._infos:
             raise PluginError(f"Plugin '{name}' is already registered ({self._infos[name].distribution}).")
         if inspect.isclass(plugin):
@@ -142,10 +154,39 @@ class AxcorePluginManager:
                 f"implementation: {' '.join(str(e).split())} Fix the plugin or remove it "
                 f"from `plugins:`."
             ) from None
-        info = PluginInfo(name, plugin, distribution, version, source, enabled)
-        self._infos[name] = info
+        info = PluginInfo(name, plugin, distribution, version, source, enabled, listed)
+        try:
+            self._refuse_ordering_options(info)
+            self._infos[name] = info
+            self._call(info, "axcore_add_hookspecs", add_hookspecs=self._add_hookspecs)
+        except BaseException:
+            self._infos.pop(name, None)
+            self.pm.unregister(plugin)
+            raise
         self._registries = None
         return info
+
+    def _refuse_ordering_options(self, info: PluginInfo) -> None:
+        for caller in self.pm.get_hookcallers(info.plugin) or []:
+            for impl in caller.get_hookimpls():
+                if impl.plugin is not info.plugin:
+                    continue
+                asked = [opt for opt in _REFUSED_OPTIONS if getattr(impl, opt, False)]
+                if asked:
+                    raise PluginLoadError(
+                        f"Plugin '{info.name}' (distribution {info.distribution}) marks its {caller.name} "
+                        f"implementation {', '.join(f'{o}=True' for o in asked)}; axcore calls plugins one at a "
+                        f"time in `plugins:` order and does not honour {', '.join(_REFUSED_OPTIONS)}. Remove "
+                        f"the option from @hookimpl."
+                    )
+
+    def _add_hookspecs(self, module_or_class: Any) -> None:
+        """`add_hookspecs` callback of `axcore_add_hookspecs`: only `axcore_*` hooks may be added."""
+        names = [n for n in dir(module_or_class) if self.pm.parse_hookspec_opts(module_or_class, n) is not None]
+        bad = [n for n in names if not n.startswith("axcore_")]
+        if bad:
+            raise PluginLoadError(f"Hookspecs {bad} must be named axcore_*; rename them.")
+        self.pm.add_hookspecs(module_or_class)
 
     def check_pending(self) -> None:
         """Raises if a plugin implements a hook that does not exist (e.g. a typo)."""
@@ -174,15 +215,24 @@ class AxcorePluginManager:
     # -- Calling hooks plugin by plugin ------------------------------------------------
 
     def _call(self, info: PluginInfo, hook_name: str, **kwargs) -> list[Any]:
-        """Calls `info`'s implementations of `hook_name` with the args they declare."""
-        caller = getattr(self.pm.hook, hook_name)
-        results = []
-        for impl in caller.get_hookimpls():
-            if impl.plugin is not info.plugin:
-                continue
-            args = {name: kwargs[name] for name in impl.argnames}
-            results.append(impl.function(**args))
-        return results
+        """Calls plugin `info`'s implementations of `hook_name` through pluggy.
+
+        pluggy passes each implementation the arguments it declares; the other plugins
+        are left out of this call, so axcore decides the order across plugins.
+        """
+        others = [p for p in self.pm.get_plugins() if p is not info.plugin]
+        return self.pm.subset_hook_caller(hook_name, remove_plugins=others)(**kwargs)
+
+    def _family_hooks(self) -> list[tuple[str, FamilyHook]]:
+        """(hook name, family declaration) of every registration hookspec, sorted by hook name."""
+        found = []
+        for name in sorted(vars(self.pm.hook)):
+            caller = getattr(self.pm.hook, name)
+            spec = getattr(caller, "spec", None)
+            declared = family_hook(spec.function) if spec is not None else None
+            if declared is not None:
+                found.append((name, declared))
+        return found
 
     @property
     def registries(self) -> Registries:
@@ -192,35 +242,21 @@ class AxcorePluginManager:
         return self._registries
 
     def _build_registries(self) -> Registries:
-        regs = Registries()
+        hooks = self._family_hooks()
+        regs = Registries(declared.family for _, declared in hooks)
         for info in self.enabled:
             prov = Provenance(info.name, info.distribution)
-
-            def component(registry):
-                return lambda name, value, *, override=False: registry.register(name, value, prov, override)
-
-            def kernel(op, k, *, override=False):
-                regs.kernels.register(op, k, prov, override)
-
-            self._call(info, "axcore_register_layers", register=component(regs.layers))
-            self._call(info, "axcore_register_position_embeddings", register=component(regs.position_embeddings))
-            self._call(
-                info,
-                "axcore_register_attention_kernels",
-                register=lambda k, *, override=False: kernel("attention", k, override=override),
-            )
-            self._call(info, "axcore_register_kernels", register=kernel)
-            self._call(
-                info,
-                "axcore_register_mesh_rules",
-                register=lambda rule, *, override=False: regs.mesh_rules.register(
-                    getattr(rule, "name", None), rule, prov, override
-                ),
-            )
-            self._call(info, "axcore_register_checkpoint_backends", register=component(regs.checkpoint_backends))
-            self._call(info, "axcore_register_data_sources", register=component(regs.data_sources))
-        regs.check_component_names()
+            for hook_name, declared in hooks:
+                registry = regs.family(declared.family.name)
+                register = declared.callback(registry, prov) if declared.callback else registry.register_callback(prov)
+                self._call(info, hook_name, register=register)
+        regs.finalize()
         return regs
+
+    @property
+    def listed(self) -> list[PluginInfo]:
+        """Plugins whose settings and transforms apply: built-ins and those in `plugins:`."""
+        return [info for info in self._infos.values() if info.enabled and info.listed]
 
     def settings(self, raw: Mapping[str, Any] | None = None) -> dict[str, ConfigBase | None]:
         """Each enabled plugin's settings, with `raw[plugin_name]` merged in.
@@ -230,7 +266,7 @@ class AxcorePluginManager:
         """
         raw = dict(raw or {})
         out: dict[str, ConfigBase | None] = {}
-        for info in self.enabled:
+        for info in self.listed:
             declared = [r for r in self._call(info, "axcore_settings_config") if r is not None]
             data = raw.pop(info.name, None)
             if not declared:
@@ -255,82 +291,24 @@ class AxcorePluginManager:
         so no plugin silently overwrites another.
         """
         settings = dict(settings) if settings is not None else self.settings()
-        owners: dict[str, str] = {}  # Flat config path -> plugin that last wrote it.
-        for info in self.enabled:
-            caller = self.pm.hook.axcore_transform_config
-            for impl in caller.get_hookimpls():
-                if impl.plugin is not info.plugin:
-                    continue
-                kwargs = {"config": config, "settings": settings.get(info.name), "registries": self.registries}
-                try:
-                    new = impl.function(**{n: kwargs[n] for n in impl.argnames})
-                except NoMatchError as e:
-                    raise NoMatchError(f"Plugin '{info.name}' found nothing to transform: {e}") from None
+        writes = WriteLog(self.registries)
+        for info in self.listed:
+            kwargs = {"config": config, "settings": settings.get(info.name), "registries": self.registries}
+            try:
+                results = self._call(info, "axcore_transform_config", **kwargs)
+            except NoMatchError as e:
+                raise NoMatchError(f"Plugin '{info.name}' found nothing to transform: {e}") from None
+            if not results and "axcore_transform_config" in self.hooks_of(info.name):
+                results = [None]  # pluggy drops None results; a transform must return the config.
+            for new in results:
                 if not isinstance(new, ConfigBase):
                     raise PluginLoadError(
                         f"The config transform of plugin '{info.name}' ({info.distribution}) "
                         f"returned {type(new).__name__}; it must return the new config."
                     )
-                self._record_writes(owners, info.name, config, new)
+                writes.record(info.name, config, new)
                 config = new
         return config
-
-    def _record_writes(self, owners: dict[str, str], plugin: str, old: ConfigBase, new: ConfigBase) -> None:
-        """Records what `plugin` wrote; raises if it overwrote another plugin's write.
-
-        Paths are compared with list indices dropped, so turning a layer template
-        into per-layer copies is not a change. A plugin owns the values it changed,
-        the `type` of every component it added, and every slot it emptied; values
-        inside a component another plugin added stay open to edits (composition).
-        A value that moved deeper into the tree (e.g. a layer wrapped into a block,
-        or a config kept as the template of the component that replaced it) keeps its owner.
-        """
-        before, after = _value_sets(flatten(old, self.registries)), _value_sets(flatten(new, self.registries))
-        added = {p: v for p, v in after.items() if p not in before}
-        removed = {p: v for p, v in before.items() if p not in after}
-
-        def conflict(path: str, was: Any, now: Any) -> PluginConflictError:
-            return PluginConflictError(
-                f"Plugins '{owners[path]}' and '{plugin}' both set config '{path}' ({sorted(was, key=repr)} "
-                f"by '{owners[path]}', then {sorted(now, key=repr) if now else 'removed'} by '{plugin}'); "
-                f"enable only one of them, or configure the second through the first's settings."
-            )
-
-        for path, values in before.items():
-            if after.get(path) == values:
-                continue
-            targets = [q for q, v in added.items() if v == values and _moved(path, q)] if path in removed else []
-            if targets:
-                for target in targets:
-                    if path in owners:
-                        owners[target] = owners[path]
-                continue
-            if owners.get(path, plugin) != plugin:
-                raise conflict(path, values, after.get(path))
-            owners[path] = plugin
-        for path, values in added.items():
-            if path in owners or any(v == values and _moved(p, path) for p, v in removed.items()):
-                continue
-            emptied = None in values and any(p.startswith(path + ".") for p in before)
-            if path.rpartition(".")[2] == "type" or emptied:
-                owners[path] = plugin
-
-
-def _moved(source: str, target: str) -> bool:
-    """Whether `target` is `source` with extra path components inserted (same last one)."""
-    src, dst = source.split("."), target.split(".")
-    if len(dst) <= len(src) or src[-1] != dst[-1]:
-        return False
-    it = iter(dst)
-    return all(part in it for part in src)
-
-
-def _value_sets(flat: list[tuple[str, Any]]) -> dict[str, frozenset]:
-    """Flat config entries keyed by path without list indices -> set of values there."""
-    out: dict[str, set] = {}
-    for path, value in flat:
-        out.setdefault(re.sub(r"\[\d+\]", "", path), set()).add(repr(value) if isinstance(value, (list, dict)) else value)
-    return {p: frozenset(v) for p, v in out.items()}
 
 
 def builtin_registries() -> Registries:
@@ -415,7 +393,10 @@ def create_plugin_manager(
             entry_points = installed_entry_points()
         if platform in entry_points:
             plugin, dist, version = _load_entry_point(platform, entry_points[platform])
-            manager.register_plugin(plugin, platform, distribution=dist, version=version, source="entry-point")
+            # Registers kernels and mesh rules; its transforms run only if `plugins:` lists it.
+            manager.register_plugin(
+                plugin, platform, distribution=dist, version=version, source="platform", listed=False
+            )
     manager.check_pending()
     return manager
 

@@ -65,6 +65,23 @@ def logical_to_spec(
     return PartitionSpec(*out)
 
 
+# Mesh axes the batch dimension is split over when the axis rules do not map "batch".
+DEFAULT_BATCH_AXES = ("data",)
+
+
+def activation_spec(
+    logical_axes: Sequence[str | None] | None, shape: Sequence[int], rules: AxisRules, mesh: Any
+) -> PartitionSpec:
+    """PartitionSpec of an activation with logical axes such as ("batch", "seq", "heads", None).
+
+    Like `logical_to_spec`, with "batch" mapped to the data axes present in the mesh
+    unless `rules` maps it.
+    """
+    if "batch" not in rules:
+        rules = {**rules, "batch": tuple(a for a in DEFAULT_BATCH_AXES if a in mesh.axis_names) or None}
+    return logical_to_spec(logical_axes, shape, rules, mesh)
+
+
 def parameter_shardings(specs: Any, rules: AxisRules, mesh: Mesh) -> Any:
     """Tree of `NamedSharding` matching a `ParameterSpec` tree."""
     return jax.tree.map(
@@ -74,7 +91,7 @@ def parameter_shardings(specs: Any, rules: AxisRules, mesh: Mesh) -> Any:
     )
 
 
-def batch_sharding(mesh: Mesh, batch_axes: Sequence[str] = ("data",)) -> NamedSharding:
+def batch_sharding(mesh: Mesh, batch_axes: Sequence[str] = DEFAULT_BATCH_AXES) -> NamedSharding:
     """Sharding of `[batch, ...]` inputs: batch over the data axes present in the mesh."""
     axes = tuple(a for a in batch_axes if a in mesh.axis_names)
     return NamedSharding(mesh, PartitionSpec(axes if axes else None))

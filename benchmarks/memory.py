@@ -41,7 +41,7 @@ SMOKE_OVERRIDES = [
     "input.seq_len=32",
     "input.batch_size=4",
     "trainer.eval_batches=1",
-    "trainer.sample.num_bytes=4",
+    "trainer.sample.num_tokens=4",
 ]
 
 

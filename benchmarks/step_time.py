@@ -46,8 +46,8 @@ def axcore_overrides(shape: ModelShape) -> list[str]:
     """`--set` overrides giving axcore's experiment the benchmark shape and a constant learning rate."""
     return [
         "plugins=[rope]",
-        "trainer.learner.schedule=constant",
-        "trainer.learner.warmup_steps=0",
+        "trainer.learner.schedule.type=constant",
+        "trainer.learner.schedule.warmup_steps=0",
         f"model.vocab_size={shape.vocab}",
         f"model.dim={shape.dim}",
         f"model.num_layers={shape.layers}",
@@ -65,9 +65,9 @@ def hyper_of(experiment) -> Hyper:
     norm = cfg.model.decoder.layer.norm
     return Hyper(
         learning_rate=learner.learning_rate,
-        b1=learner.b1,
-        b2=learner.b2,
-        eps=learner.eps,
+        b1=learner.optimizer.b1,
+        b2=learner.optimizer.b2,
+        eps=learner.optimizer.eps,
         weight_decay=learner.weight_decay,
         max_grad_norm=learner.max_grad_norm,
         rope_theta=experiment.settings["rope"].theta,

@@ -1,4 +1,4 @@
-"""The `axcore` command: help, config (golden files), plugins, compile, errors."""
+"""The `axcore` command: help, config (golden files), plugins, compile, errors, plugin commands."""
 
 import os
 import pathlib
@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from axcore.cli import main
+from axcore.cli import COMMANDS, main
+from axcore.commands import BUILTIN_COMMANDS
 from axcore.experiment import builtin_experiments
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
@@ -26,6 +27,11 @@ def test_help_is_fast_and_imports_no_jax():
     code = "import sys; from axcore.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\nprint('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "train" in out.stdout and out.stdout.strip().endswith("False")
+    assert "plugins can add commands" in " ".join(out.stdout.split())  # And how to list them.
+
+
+def test_builtin_command_names_are_reserved_for_plugins():
+    assert tuple(COMMANDS) == BUILTIN_COMMANDS
 
 
 @pytest.mark.parametrize("name", builtin_experiments())
@@ -42,6 +48,11 @@ def test_config_matches_golden_file(name, capsys, request):
     assert lines["model.type"] == "causal_lm" and lines["model.vocab_size"] == "256"
     assert lines["model.decoder.layer.self_attention.causal"] == "true"
     assert lines["mesh.rule"] == "default" and lines["input.source.type"] == "embedded_corpus"
+    assert lines["trainer.learner.optimizer.type"] == "adamw" and lines["trainer.learner.schedule.type"] == "cosine"
+    assert lines["trainer.learner.optimizer.moment_dtype"] == "null"  # Moments in the parameter dtype.
+    assert lines["trainer.checkpoint.backend"] == "orbax" and lines["trainer.checkpoint.backend_settings"] == "{}"
+    assert lines["trainer.metrics_writers[0].type"] == "jsonl" and lines["trainer.metrics_writers[1].type"] == "tensorboard"
+    assert lines["tokenizer.type"] == "bytes"
 
 
 def test_bad_override_is_one_line_and_exit_2():
@@ -58,6 +69,9 @@ def test_bad_override_is_one_line_and_exit_2():
         (["config", "default", "--set", "trainer.max_steps"], "PATH=VALUE"),
         (["config", "default", "--set", "plugins=[nosuch]"], "Unknown plugin 'nosuch'"),
         (["frobnicate"], "invalid choice"),
+        (["tran"], "did you mean 'train'"),
+        (["config", "default", "--set", "trainer.learner.optimizer.type=adamww"], "did you mean 'adamw'"),
+        (["config", "default", "--set", "trainer.checkpoint.backend_settings.compres=true"], "did you mean 'compress'"),
         (["config"], "required"),
     ],
 )
@@ -74,6 +88,8 @@ def test_plugins_lists_builtins(capsys):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "axcore.layers.plugin" in out and "axcore_register_layers" in out and "built-in" in out
+    assert "axcore.trainer.plugin" in out and "axcore_register_optimizers" in out
+    assert "plugin adds commands" in out or "Commands added by plugins" in out
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ def test_loads_plugin_by_name(installed):
     assert (info.name, info.distribution, info.version, info.source) == ("good", "axcore-testplug", "1.2.0", "entry-point")
     layer_cls = pm.registries.layers["doubling_linear"]
     assert layer_cls.__name__ == "Doubling"
-    layer = layer_cls.default_config().set(input_dim=2, output_dim=2, bias=False).instantiate(name="l")
+    layer = layer_cls.default_config().set(input_dim=2, output_dim=2, bias=False).instantiate(name="l", registries=pm.registries)
     params = {"weight": jnp.eye(2)}
     out, _ = axcore.functional(layer, params, (jnp.array([1.0, 3.0]),), None, False)
     assert out.tolist() == [2.0, 6.0]

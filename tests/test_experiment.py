@@ -4,8 +4,9 @@ import pytest
 
 import axcore
 from axcore.config import ConfigBase, find, replace
+from axcore.data import ByteTokenizer
 from axcore.errors import ConfigError, ConfigTypeError, UnknownFieldError, UnknownPluginError
-from axcore.experiment import builtin_experiments, load_experiment
+from axcore.experiment import builtin_experiments, load_experiment, search_plugins
 from axcore.layers import MultiheadAttention
 
 
@@ -89,6 +90,56 @@ def test_bad_experiments_name_the_problem(tmp_path, text, overrides, error, patt
 def test_unknown_experiment_name():
     with pytest.raises(ConfigError, match="neither a file nor a built-in experiment"):
         load_experiment("no/such/file.yaml")
+    with pytest.raises(ConfigError, match=r"'scna' .*\(did you mean 'scan'\?\); available: default, scan"):
+        load_experiment("scna")
+
+
+def test_builtin_experiments_are_registered_by_a_builtin_plugin(registries):
+    assert builtin_experiments() == ["default", "scan"]
+    entry = registries.experiments.entry("scan")
+    assert entry.provenance.plugin == "axcore.experiments.plugin" and entry.provenance.distribution == "axcore"
+    assert load_experiment("scan").source == "<built-in experiment scan>"
+
+
+class ShipsExperiments:
+    @axcore.hookimpl
+    def axcore_register_experiments(self, register):
+        register("from_text", "name: from_text\ntrainer: {max_steps: 7}\n")
+
+
+def test_plugin_experiments_from_text_and_file_load_by_name(tmp_path):
+    exp = load_experiment("from_text", objects={"ships": ShipsExperiments()})
+    assert exp.config.name == "from_text" and exp.config.trainer.max_steps == 7
+    assert exp.source == "<experiment from_text of plugin 'ships' (distribution <local>)>"
+    # Shipping an experiment does not enable the plugin; the experiment's `plugins:` decides.
+    assert "ships" not in [info.name for info in exp.plugin_manager.plugins]
+    file = tmp_path / "shipped.yaml"
+    file.write_text("name: from_file\ninput: {batch_size: 3}\n")
+
+    class ShipsFile:
+        @axcore.hookimpl
+        def axcore_register_experiments(self, register):
+            register("from_file", file)
+
+    exp = load_experiment("from_file", ["input.seq_len=16"], objects={"ships": ShipsFile()})
+    assert exp.config.name == "from_file" and exp.config.input.batch_size == 3 and exp.config.input.seq_len == 16
+
+
+def test_installed_plugins_are_searched_one_by_one_unless_autoload_is_disabled(monkeypatch):
+    found = search_plugins("layers").found
+    # Layers of installed plugins (the repo's moe and swiglu), though none is enabled anywhere.
+    installed = {name for name, entry in found.items() if entry.provenance.distribution != "axcore"}
+    assert installed and found["linear"].provenance.distribution == "axcore"
+    assert not installed & set(search_plugins("layers", name="linear").found)  # A built-in name: no search.
+    monkeypatch.setenv("AXCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert not installed & set(search_plugins("layers").found)
+
+
+def test_tokenizer_is_configurable_and_checked(tmp_path):
+    exp = load_experiment(_write(tmp_path, "tokenizer: {type: bytes}\n"))
+    assert isinstance(exp.config.tokenizer.instantiate(), ByteTokenizer)
+    with pytest.raises(ConfigError, match=r"'tokenizer' builds 'CausalLM', which is not a tokenizer"):
+        load_experiment(_write(tmp_path, "tokenizer: {type: causal_lm}\n"))
 
 
 def test_mesh_can_be_forced(tmp_path):

@@ -1,12 +1,26 @@
-"""`axcore loc`: integration cost computed from code, and the README's copy of its table."""
+"""`axcore loc`: integration cost computed from code and traced runs, and the README's copy of its table."""
 
+import inspect
 import pathlib
+import sys
 import textwrap
 
 import pytest
 
+import axcore
+import axcore.loc_report
 from axcore.cli import main
-from axcore.loc_report import body_lines, core_reference_lines, format_table, loc_report
+from axcore.config import replace
+from axcore.layers import RepeatedTransformer
+from axcore.loc_report import (
+    CoreLineTracer,
+    Probe,
+    body_lines,
+    core_fields_written,
+    core_usage,
+    format_table,
+    loc_report,
+)
 
 README = pathlib.Path(__file__).parents[1] / "README.md"
 FEATURES = {"rope", "moe", "swiglu", "alibi", "remat"}
@@ -24,15 +38,66 @@ def test_body_lines_skip_docstrings_comments_and_blanks():
     assert body_lines(example) == 2
 
 
-def test_core_reference_lines_ignore_docstrings_and_comments(tmp_path):
-    (tmp_path / "m.py").write_text(textwrap.dedent('''
-        """Mentions widget in a docstring."""
-        # widget in a comment
-        import widget_pkg
-        x = "widget"
-        widgets = 1
+def test_tracer_records_the_function_lines_that_run_under_its_root(tmp_path, monkeypatch):
+    (tmp_path / "traced_example.py").write_text(textwrap.dedent('''
+        def f(x):
+            if x:
+                return 1
+            return 2
     '''))
-    assert core_reference_lines({"widget", "widget_pkg"}, tmp_path) == 2
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import traced_example
+
+    previous = sys.gettrace()
+    with CoreLineTracer(tmp_path) as tracer:
+        traced_example.f(True)
+    assert tracer.relative() == {"traced_example.py:3", "traced_example.py:4"}  # Not the `return 2` line.
+    assert sys.gettrace() is previous  # Uninstalled again.
+
+
+def _line_of(fn, text):
+    """`file:line` (relative to axcore/) of the line of `fn` containing `text`."""
+    fn = inspect.unwrap(fn)  # Module methods are wrapped to enter their invocation context.
+    lines, start = inspect.getsourcelines(fn)
+    (offset,) = [i for i, line in enumerate(lines) if text in line]
+    path = pathlib.Path(inspect.getsourcefile(fn)).relative_to(pathlib.Path(axcore.__file__).parent).as_posix()
+    return f"{path}:{start + offset}"
+
+
+class SetRematPolicy:
+    """A test plugin whose transform sets a core field: every scanned stack's remat_policy."""
+
+    @axcore.hookimpl
+    def axcore_transform_config(self, config):
+        return replace(config, RepeatedTransformer, lambda _, c: c.set(remat_policy="dots_saveable"))
+
+
+def test_a_core_line_that_runs_only_for_a_plugin_is_counted():
+    usage = core_usage(["policy"], ["scan"], objects={"policy": SetRematPolicy()})["policy"]
+    # RepeatedTransformer wraps its scan body in jax.checkpoint only when remat_policy is set.
+    checkpoint = _line_of(RepeatedTransformer.forward, "body = jax.checkpoint(")
+    assert checkpoint in usage.lines
+    assert _line_of(RepeatedTransformer.forward, "x, collections = jax.lax.scan(") not in usage.lines  # Runs anyway.
+    assert usage.fields == ("repeated_transformer.remat_policy",) and usage.errors == {}
+
+
+def _probe(values, lists=(), labels=None):
+    values = {p: frozenset(v) for p, v in values.items()}
+    return Probe(frozenset(), values, frozenset(lists), labels or {"": "ExperimentConfig", "model": "causal_lm"})
+
+
+def test_core_fields_written_name_a_replaced_component_by_its_slot():
+    labels = {"": "ExperimentConfig", "model": "causal_lm", "model.decoder": "repeated_transformer"}
+    before = _probe({"model.decoder.type": {"repeated_transformer"}, "model.decoder.remat_policy": {None},
+                     "model.decoder.layer.type": {"transformer_layer"}, "model.decoder.layer.dim": {8},
+                     "plugins": {"[]"}}, labels=labels)
+    after = _probe({"model.decoder.type": {"repeated_transformer"}, "model.decoder.remat_policy": {"dots_saveable"},
+                    "model.decoder.layer.type": {"stacked_transformer"}, "model.decoder.layer.layer.type": {"x"},
+                    "model.decoder.layer.layer.dim": {8}, "plugins": {"['p']"}},
+                   lists={"model.decoder.layer.layer"}, labels=labels)
+    # The slot once (not what the new component holds), the changed value, and not `plugins`.
+    assert core_fields_written(before, after) == {"repeated_transformer.layer", "repeated_transformer.remat_policy"}
+    assert core_fields_written(before, before) == set()
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +105,34 @@ def rows():
     return {row.name: row for row in loc_report()}
 
 
-def test_every_feature_plugin_is_installed_and_needs_no_core_line(rows):
+@pytest.mark.slow
+def test_every_feature_plugin_is_installed_and_integrates_through_a_transform(rows):
     assert FEATURES <= set(rows)
     for name in FEATURES:
-        assert rows[name].core_lines == 0, name
         assert rows[name].integration_lines > 0, name
 
 
+@pytest.mark.slow
+def test_swiglu_needs_no_core_line_and_remat_one_core_mechanism(rows):
+    # swiglu's gated layer lives in the plugin; it only fills the core's feed-forward slot.
+    assert rows["swiglu"].core_lines == frozenset()
+    assert rows["swiglu"].core_mechanisms == ("transformer_layer.feed_forward",)
+    # remat sets a generic core field, and the core line that field switches on runs only for it.
+    assert rows["remat"].core_mechanisms == ("repeated_transformer.remat_policy",)
+    assert rows["remat"].core_lines == {_line_of(RepeatedTransformer.forward, "body = jax.checkpoint(")}
+
+
+@pytest.mark.slow
 def test_rope_integration_is_at_most_10_lines_and_touches_every_attention_layer(rows):
     assert rows["rope"].integration_lines <= 10
     # Default model: 4 attention layers + 4 rotary slots + the LM root + the removed input embedding.
     assert rows["rope"].touched["default"] == 10
+    assert "multihead_attention.position_embedding" in rows["rope"].core_mechanisms
 
 
-def test_readme_holds_the_current_table(rows, capsys):
+@pytest.mark.slow
+def test_readme_holds_the_current_table(rows, capsys, monkeypatch):
+    monkeypatch.setattr(axcore.loc_report, "loc_report", lambda: list(rows.values()))  # Computed once.
     assert main(["loc"]) == 0
     table = capsys.readouterr().out
     assert table == format_table(list(rows.values()))

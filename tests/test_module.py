@@ -117,13 +117,13 @@ def test_initialize_folds_keys_from_parameter_paths():
 
 
 @pytest.mark.parametrize("group_bytes", [None, 1])  # One batched draw per shape; one draw per parameter.
-def test_batched_initialize_matches_separate_draws_bit_for_bit(monkeypatch, group_bytes):
+def test_batched_initialize_matches_separate_draws_bit_for_bit(monkeypatch, group_bytes, registries):
     if group_bytes is not None:
         monkeypatch.setattr(axcore.module, "_GROUP_BYTES", group_bytes)
     cfg = StackedTransformer.default_config().set(num_layers=3, input_dim=16)
     cfg.layer.self_attention.set(num_heads=2)
     cfg.layer.feed_forward.hidden_dim = 32
-    model = cfg.instantiate(name="stack")
+    model = cfg.instantiate(name="stack", registries=registries)
     key = jax.random.key(3)
     params = model.initialize(key)
     flat_specs = jax.tree_util.tree_flatten_with_path(model.parameter_specs())[0]
@@ -135,6 +135,20 @@ def test_batched_initialize_matches_separate_draws_bit_for_bit(monkeypatch, grou
         for entry in path:
             actual = actual[entry.key]
         np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected), err_msg=name)
+
+
+def test_a_root_without_registries_raises_once_a_layer_needs_a_kernel(registries):
+    cfg = StackedTransformer.default_config().set(num_layers=1, input_dim=16)
+    cfg.layer.self_attention.set(num_heads=2)
+    cfg.layer.feed_forward.hidden_dim = 32
+    # No silent fallback to built-in registries: a layer that needs a kernel raises.
+    model = cfg.instantiate(name="stack")
+    with pytest.raises(InvocationError, match="registries"):
+        model.parameter_specs()
+    # Children reach the root's registries.
+    model = cfg.instantiate(name="stack", registries=registries)
+    assert model.layer0.self_attention.registries is registries
+    model.parameter_specs()
 
 
 def test_parameter_specs_allocate_nothing():

@@ -1,5 +1,7 @@
 """The plugin manager: throwaway plugins, registries, conflicts and config transforms."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ from axcore.errors import (
     UnknownFieldError,
     UnknownPluginError,
 )
-from axcore.kernels import SUPPORTED
+from axcore.kernels import SUPPORTED, AttentionProblem, Op, Problem
 from axcore.layers import CausalLM, FeedForward, LearnedPositionEmbedding, MultiheadAttention, PositionEmbedding
 from axcore.mesh import MeshRule, select_mesh_rule
 
@@ -246,6 +248,13 @@ class Fake:
         raise NotImplementedError
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NormProblem(Problem):
+    """A made-up op's problem."""
+
+    dim: int = 0
+
+
 class RegistersEverything:
     """Registers one component of every kind, each named `<prefix><kind>`."""
 
@@ -268,8 +277,12 @@ class RegistersEverything:
         register(Fake(self._name("fake")), override=self.override)
 
     @axcore.hookimpl
+    def axcore_register_ops(self, register):
+        register(Op(self._name("rms_norm"), NormProblem, Fake("reference")), override=self.override)
+
+    @axcore.hookimpl
     def axcore_register_kernels(self, register):
-        register("rms_norm", Fake(self._name("norm_fake")), override=self.override)
+        register(self._name("rms_norm"), Fake(self._name("norm_fake")), override=self.override)
 
     @axcore.hookimpl
     def axcore_register_mesh_rules(self, register):
@@ -288,8 +301,10 @@ def test_every_registration_hook_fills_its_registry():
     regs = axcore.create_plugin_manager(["all"], objects={"all": RegistersEverything(override=True)}).registries
     assert regs.layers["linear"] is DoubledFeedForward  # Replaced the built-in explicitly.
     assert regs.position_embeddings["learned_position_embedding"] is NoPosition
-    assert regs.kernels.select("attention", None).name == "fake"  # Priority 5 beats xla's 0.
-    assert regs.kernels.candidates("rms_norm")[0].name == "norm_fake"
+    attention = AttentionProblem.of(np.zeros((1, 2, 2, 4)), np.zeros((1, 2, 2, 4)))
+    assert regs.kernels.select("attention", attention).name == "fake"  # Priority 5 beats xla's 0.
+    assert regs.ops["rms_norm"].problem_type is NormProblem
+    assert [k.name for k in regs.kernels.candidates("rms_norm")] == ["norm_fake", "reference"]
     assert select_mesh_rule([regs.mesh_rules[n] for n in regs.mesh_rules], "cpu-8").name == "cpu"
     assert regs.checkpoint_backends["raw"] is dict
     assert regs.lookup("lines") is axcore.Configurable  # Data sources are config-nameable.
@@ -309,17 +324,18 @@ def test_duplicate_name_names_both_distributions():
 
 @pytest.mark.parametrize(
     "kind",
-    ["layer", "position embedding", "'attention' kernel", "'rms_norm' kernel", "mesh rule", "checkpoint backend", "data source"],
+    ["layer", "position embedding", "'attention' kernel", "'x_rms_norm' kernel", "op", "mesh rule",
+     "checkpoint backend", "data source"],
 )
 def test_duplicates_between_two_plugins_in_every_registry(kind):
     class Only(RegistersEverything):
-        """Registers only the component of `kind` (others get unique names)."""
+        """Registers only the component(s) of `kind` under one name (others get unique names)."""
 
         def _name(self, k):
-            wanted = {"layer": "linear", "position embedding": "learned_position_embedding",
-                      "mesh rule": "cpu", "checkpoint backend": "raw", "data source": "lines",
-                      "'rms_norm' kernel": "norm_fake"}.get(kind, "fake")
-            return "x_" + k if k == wanted else self.prefix + k
+            wanted = {"layer": {"linear"}, "position embedding": {"learned_position_embedding"},
+                      "mesh rule": {"cpu"}, "checkpoint backend": {"raw"}, "data source": {"lines"},
+                      "'x_rms_norm' kernel": {"norm_fake", "rms_norm"}, "op": {"rms_norm"}}.get(kind, {"fake"})
+            return "x_" + k if k in wanted else self.prefix + k
 
     pm = axcore.create_plugin_manager(["a", "b"], objects={"a": Only("a_"), "b": Only("b_")})
     with pytest.raises(DuplicateComponentError, match=rf"Two {kind}s named .*plugin 'a'.*plugin 'b'"):

@@ -1,7 +1,10 @@
 """Built-in plugin: the orbax and tensorstore checkpoint backends.
 
 The factories import their storage library only when called, so loading this plugin
-(e.g. for `axcore plugins`) stays cheap.
+(e.g. for `axcore plugins`) stays cheap. A factory's keyword arguments other than
+`keep_last_n` and `async_save` are the backend's own settings, set in the experiment
+as `trainer.checkpoint.backend_settings` (e.g. `{compress: true}` for orbax) and
+checked against the factory's signature before the run.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import os
 
 from axcore.checkpoint.base import CheckpointBackend
-from axcore.hookspecs import hookimpl
+from axcore.markers import hookimpl
 
 
 def orbax(

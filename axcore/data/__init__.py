@@ -1,4 +1,4 @@
-"""Input pipeline: byte tokenizer, data sources and a deterministic, checkpointable batch iterator."""
+"""Input pipeline: tokenizers, data sources and a deterministic, checkpointable batch iterator."""
 
 from axcore.data.errors import DataError
 from axcore.data.iterator import PAD_LABEL, BatchIterator, InputConfig
@@ -16,7 +16,7 @@ from axcore.data.sources import (
     split_documents,
     split_stream,
 )
-from axcore.data.tokenizer import ByteTokenizer
+from axcore.data.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
     "CORPUS_FILES",
@@ -33,6 +33,7 @@ __all__ = [
     "TextFormat",
     "TokenDtype",
     "TokenFile",
+    "Tokenizer",
     "read_corpus_documents",
     "split_documents",
     "split_stream",

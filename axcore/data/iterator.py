@@ -29,6 +29,7 @@ import numpy as np
 from axcore.config import ConfigBase, InstantiableConfig
 from axcore.data.errors import DataError
 from axcore.data.sources import DataSource, EmbeddedCorpus, Split, as_split
+from axcore.data.tokenizer import Tokenizer
 
 # `target_labels` of padding rows; the loss ignores labels < 0.
 PAD_LABEL = -1
@@ -195,8 +196,10 @@ class InputConfig(ConfigBase):
     # Whether the train split visits windows in seeded random order (eval never shuffles).
     shuffle: bool = True
 
-    def make_iterator(self, split: Split) -> BatchIterator:
+    def make_iterator(self, split: Split, tokenizer: Tokenizer | None = None) -> BatchIterator:
         """Batches of `split`: TRAIN is endless (shuffled per `shuffle`), EVAL one pass in order.
+
+        `tokenizer` tokenizes text sources (None: bytes); pre-tokenized sources ignore it.
 
         Raises:
             DataError: if the source's data is missing or malformed, or the split is
@@ -209,6 +212,7 @@ class InputConfig(ConfigBase):
                 f"input.source builds {type(source).__name__}, which is not a DataSource; "
                 f"name a registered data source (e.g. type: embedded_corpus)."
             )
+        source.use_tokenizer(tokenizer)
         tokens = source.tokens(split)
         train = split is Split.TRAIN
         try:

@@ -12,8 +12,10 @@ train and eval splits never overlap:
   text file), it falls back to cutting the joined token stream as above.
 
 Documents are joined with `DOCUMENT_SEPARATOR` (a blank line, `b"\\n\\n"`) and
-byte-tokenized (`ByteTokenizer`: token id = UTF-8 byte). Within one split, the
-separator goes between documents only.
+tokenized with the experiment's tokenizer (`use_tokenizer`; by default, and with the
+`bytes` tokenizer, token id = UTF-8 byte, as a zero-copy view). Within one split, the
+separator goes between documents only. Pre-tokenized sources (`TokenFile`) ignore
+the tokenizer.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ import enum
 import importlib.resources
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from axcore.config import REQUIRED, Configurable
 from axcore.data.errors import DataError
+from axcore.data.tokenizer import ByteTokenizer, Tokenizer
 
 # Bytes put between two documents of one split (a blank line).
 DOCUMENT_SEPARATOR = b"\n\n"
@@ -80,6 +83,19 @@ class DataSource(Configurable):
                 f"e.g. 0.05 holds out the last 5% for eval."
             )
         self._cache: dict[Split, np.ndarray] = {}
+        self._tokenizer: Tokenizer | None = None
+
+    def use_tokenizer(self, tokenizer: Tokenizer | None) -> None:
+        """Tokenize text with `tokenizer` (None: bytes); call before the first `tokens()`."""
+        if self._cache:
+            raise DataError(f"{type(self).__name__}: set the tokenizer before reading tokens.")
+        self._tokenizer = tokenizer
+
+    def encode(self, text: bytes) -> np.ndarray:
+        """UTF-8 `text` -> token ids `[n]` with this source's tokenizer (bytes: a read-only uint8 view)."""
+        if self._tokenizer is None or isinstance(self._tokenizer, ByteTokenizer):
+            return _byte_tokens(text)
+        return np.asarray(self._tokenizer.encode(text.decode("utf-8")))
 
     def tokens(self, split: Split) -> np.ndarray:
         """The token stream of `split`: 1-D integer array `[num_tokens]`, never empty.
@@ -117,18 +133,25 @@ def split_stream(tokens: np.ndarray, eval_fraction: float, split: Split, where: 
     return part
 
 
-def split_documents(documents: Sequence[bytes], eval_fraction: float, split: Split, where: str) -> np.ndarray:
-    """Byte tokens of the train (leading) or eval (trailing) documents, joined.
+def split_documents(
+    documents: Sequence[bytes],
+    eval_fraction: float,
+    split: Split,
+    where: str,
+    encode: Callable[[bytes], np.ndarray] | None = None,
+) -> np.ndarray:
+    """Tokens (`encode`, default bytes) of the train (leading) or eval (trailing) documents, joined.
 
     Falls back to `split_stream` over all documents when splitting by document
     count would leave either side without a document.
     """
+    encode = encode or _byte_tokens
     num_eval = int(round(len(documents) * eval_fraction))
     if not 0 < num_eval < len(documents):
-        return split_stream(_byte_tokens(DOCUMENT_SEPARATOR.join(documents)), eval_fraction, split, where)
+        return split_stream(encode(DOCUMENT_SEPARATOR.join(documents)), eval_fraction, split, where)
     cut = len(documents) - num_eval
     part = documents[:cut] if split is Split.TRAIN else documents[cut:]
-    tokens = _byte_tokens(DOCUMENT_SEPARATOR.join(part))
+    tokens = encode(DOCUMENT_SEPARATOR.join(part))
     if len(tokens) == 0:
         raise DataError(f"{where}: the {split.value} split holds only empty documents; add text.")
     return tokens
@@ -152,7 +175,7 @@ class EmbeddedCorpus(DataSource):
         """Configures EmbeddedCorpus."""
 
     def _load(self, split: Split) -> np.ndarray:
-        return split_documents(read_corpus_documents(), self._config.eval_fraction, split, "embedded corpus")
+        return split_documents(read_corpus_documents(), self._config.eval_fraction, split, "embedded corpus", self.encode)
 
 
 def read_corpus_documents() -> list[bytes]:
@@ -210,7 +233,7 @@ class TextFiles(DataSource):
         where = "TextFiles " + ", ".join(f"'{p}'" for p in cfg.paths[:3])
         if len(cfg.paths) > 3:
             where += f" and {len(cfg.paths) - 3} more"
-        return split_documents(self._documents, cfg.eval_fraction, split, where)
+        return split_documents(self._documents, cfg.eval_fraction, split, where, self.encode)
 
     def _read_documents(self) -> list[bytes]:
         cfg = self._config

@@ -1,4 +1,11 @@
-"""The byte-level tokenizer: one token per UTF-8 byte."""
+"""Tokenizers: text to token ids and back. The built-in one is `bytes` (one token per UTF-8 byte).
+
+A tokenizer is a registered `Configurable` (`axcore_register_tokenizers`) that
+configs name with `type: <name>`; the experiment's `tokenizer:` picks one (the
+end-of-run sample encodes its prompt and decodes its tokens with it). This file
+imports neither hookspecs nor the plugin manager (hookspecs validate registrations
+against `Tokenizer`).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,36 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from axcore.config import ClassConfig, Configurable
 
-class ByteTokenizer:
+
+class Tokenizer(Configurable):
+    """Base of registered tokenizers: `encode`, `decode` and `vocab_size`.
+
+    `Tokenizer()` without a config builds the class's default config.
+    """
+
+    class Config(Configurable.Config):
+        """Configures Tokenizer."""
+
+    def __init__(self, cfg: ClassConfig | None = None):
+        super().__init__(cfg if cfg is not None else type(self).default_config())
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct token ids (ids are 0..vocab_size - 1)."""
+        raise NotImplementedError(f"{type(self).__name__} must define vocab_size.")
+
+    def encode(self, text: str) -> np.ndarray:
+        """`text` -> int32 token ids `[num_tokens]`."""
+        raise NotImplementedError(f"{type(self).__name__} must implement encode(text).")
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """Token ids `[n]` -> text."""
+        raise NotImplementedError(f"{type(self).__name__} must implement decode(ids).")
+
+
+class ByteTokenizer(Tokenizer):
     """Maps text to its UTF-8 bytes and back; token ids are 0..255.
 
     >>> tok = ByteTokenizer()
@@ -16,6 +51,9 @@ class ByteTokenizer:
     >>> tok.decode([104, 195, 169])
     'hé'
     """
+
+    class Config(Tokenizer.Config):
+        """Configures ByteTokenizer (it has no settings)."""
 
     # Number of distinct token ids.
     vocab_size: int = 256
@@ -34,3 +72,7 @@ class ByteTokenizer:
         if array.size and (array.min() < 0 or array.max() >= self.vocab_size):
             raise ValueError(f"Byte token ids must lie in 0..{self.vocab_size - 1}, got {array.min()}..{array.max()}.")
         return array.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+# Registered names of the built-in tokenizers.
+TOKENIZERS = {"bytes": ByteTokenizer}

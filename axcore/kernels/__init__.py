@@ -1,15 +1,42 @@
-"""Kernel registry and the attention op."""
+"""Ops (`dot`, `attention`), their problems, and the kernel registry."""
 
-from axcore.kernels.attention import ATTENTION_OP, AttentionProblem, XlaAttention, causal_mask
-from axcore.kernels.registry import SUPPORTED, Kernel, KernelRegistry, Support
+from axcore.kernels.attention import ATTENTION, AttentionProblem, XlaAttention, causal_mask, sliding_window_mask
+from axcore.kernels.dot import DOT, DotProblem, XlaCpuDot, XlaDot, dot_problem, reference_dot
+from axcore.kernels.registry import (
+    SUPPORTED,
+    Kernel,
+    KernelRegistry,
+    Op,
+    OpEnvironment,
+    OpRegistry,
+    Problem,
+    Support,
+    current_environment,
+    op_environment,
+    unknown_extras,
+)
 
 __all__ = [
-    "ATTENTION_OP",
+    "ATTENTION",
+    "DOT",
     "SUPPORTED",
     "AttentionProblem",
+    "DotProblem",
     "Kernel",
     "KernelRegistry",
+    "Op",
+    "OpEnvironment",
+    "OpRegistry",
+    "Problem",
     "Support",
     "XlaAttention",
+    "XlaCpuDot",
+    "XlaDot",
     "causal_mask",
+    "current_environment",
+    "dot_problem",
+    "op_environment",
+    "reference_dot",
+    "sliding_window_mask",
+    "unknown_extras",
 ]

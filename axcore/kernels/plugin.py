@@ -1,16 +1,16 @@
-"""Built-in plugin: the XLA reference kernels (always-available fallbacks) and the XLA:CPU linear kernel."""
+"""Built-in plugin: the `dot` and `attention` ops (with their XLA reference kernels) and the XLA:CPU dot kernel."""
 
-from axcore.hookspecs import hookimpl
-from axcore.kernels.attention import XlaAttention
-from axcore.kernels.linear import LINEAR_OP, XlaCpuLinear, XlaLinear
+from axcore.kernels.attention import ATTENTION
+from axcore.kernels.dot import DOT, XlaCpuDot
+from axcore.markers import hookimpl
 
 
 @hookimpl
-def axcore_register_attention_kernels(register):
-    register(XlaAttention())
+def axcore_register_ops(register):
+    register(DOT)
+    register(ATTENTION)
 
 
 @hookimpl
 def axcore_register_kernels(register):
-    register(LINEAR_OP, XlaLinear())
-    register(LINEAR_OP, XlaCpuLinear())
+    register(DOT, XlaCpuDot())

@@ -1,20 +1,35 @@
-"""Kernel registry: implementations of an op chosen by priority and `is_supported`.
+"""Ops and their kernels: declared ops, problems, selection by priority and `is_supported`.
 
-Each op ("attention", "rms_norm", ...) has candidate kernels. `select()` tries them
-in descending priority (ties broken by name, so registration and install order never
-decide), logs why each declining kernel declined (once per op, kernel and reason),
-and returns the first that supports the problem. A reference kernel that supports
-everything is the fallback.
+An *op* (`dot`, `attention`, ...) is a declared object: a name, the type of the
+problem that describes one call, and a reference kernel that supports every
+problem (the fallback). Ops are registered through `axcore_register_ops`; kernels
+through `axcore_register_kernels` name a registered op, and a kernel for an unknown
+op, or a call of an unknown op, is an error.
+
+`KernelRegistry.select(op, problem)` tries the op's kernels in descending priority
+(ties broken by name, so registration and install order never decide), logs why each
+declining kernel declined (once per op, kernel and reason), and returns the first
+that supports the problem.
+
+Every problem carries `platform`, the `mesh` of the computation being traced (None
+outside a mesh), the `input_specs` (one PartitionSpec or None per array input, from
+the logical axes of the call site and the run's axis rules) and an open `extras`
+map, so a new capability needs no core edit: a plugin sets an extras entry on a
+layer's config and registers a kernel that understands it; kernels (the reference
+ones included) decline extras they do not know.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from axcore.errors import KernelNotSupportedError, UnknownComponentError, did_you_mean
-from axcore.registry import Provenance, Registry
+from axcore.registry import NamedRegistry, Provenance, Registries, Registry
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +53,14 @@ class Kernel(Protocol):
     """One implementation of an op.
 
     `name` identifies it (configs may force it by name); higher `priority` is tried
-    first; `is_supported(problem)` returns a `Support`; calling it computes the op.
+    first; `is_supported(problem)` returns a `Support`; `kernel(problem, *inputs,
+    **optional_inputs)` computes the op (each op documents its inputs).
+
+    A kernel may also define `state_specs(problem) -> {name: ParameterSpec}`: state it
+    keeps per call site (e.g. quantization scales). The layer declares those specs
+    among its parameters (under `kernel_state/<site>`), calls the kernel with
+    `state=` that tree (gradient stopped), and the kernel returns `(output,
+    new_state)`; `new_state` (or None) becomes the site's state after the step.
     """
 
     name: str
@@ -46,7 +68,91 @@ class Kernel(Protocol):
 
     def is_supported(self, problem: Any) -> Support: ...
 
-    def __call__(self, *args, **kwargs) -> Any: ...
+    def __call__(self, problem: Any, *args, **kwargs) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class OpEnvironment:
+    """What kernels may know about the computation being traced."""
+
+    # The device mesh, or None (a single device, or outside a run).
+    mesh: Any = None
+    # Logical axis -> mesh axis (or axes, or None).
+    axis_rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_ENVIRONMENT: contextvars.ContextVar[OpEnvironment] = contextvars.ContextVar(
+    "axcore_op_environment", default=OpEnvironment()
+)
+
+
+def current_environment() -> OpEnvironment:
+    """The innermost `op_environment`, or an empty one."""
+    return _ENVIRONMENT.get()
+
+
+@contextlib.contextmanager
+def op_environment(mesh: Any, axis_rules: Mapping[str, Any] | None = None) -> Iterator[OpEnvironment]:
+    """Makes `mesh` and `axis_rules` visible to the problems of ops traced inside."""
+    env = OpEnvironment(mesh, dict(axis_rules or {}))
+    token = _ENVIRONMENT.set(env)
+    try:
+        yield env
+    finally:
+        _ENVIRONMENT.reset(token)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Problem:
+    """Fields every op's problem has; each op's problem type subclasses it."""
+
+    # jax.default_backend() of the computation: "cpu", "gpu", "tpu", ...
+    platform: str
+    # The mesh of the computation (jax.sharding.Mesh or AbstractMesh), or None.
+    mesh: Any = None
+    # One PartitionSpec (or None: unknown) per array input, in call order.
+    input_specs: tuple[Any, ...] = ()
+    # Open capabilities: name -> static value; kernels decline names they do not know.
+    extras: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def unknown_extras(problem: Problem, known: Sequence[str] = ()) -> Support:
+    """SUPPORTED if `problem.extras` holds only names in `known`, else a decline naming the rest."""
+    unknown = sorted(set(problem.extras) - set(known))
+    if unknown:
+        return Support(False, f"does not implement extras {unknown}")
+    return SUPPORTED
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Op:
+    """A declared op: its name, the type of its problems and its reference kernel."""
+
+    # Registered name, e.g. "dot".
+    name: str
+    # Subclass of `Problem` describing one call.
+    problem_type: type
+    # A kernel that supports every problem of this op; registered with the op.
+    reference: Kernel
+    # One line on what the op computes and its layouts.
+    doc: str = ""
+
+
+def _validate_op(name: str, value: Any) -> str | None:
+    if not isinstance(value, Op):
+        return f"expected an axcore.kernels.Op, got {value!r}"
+    if not (isinstance(value.problem_type, type) and issubclass(value.problem_type, Problem)):
+        return f"its problem_type must subclass axcore.kernels.Problem, got {value.problem_type!r}"
+    if not isinstance(value.reference, Kernel):
+        return "its reference kernel lacks name, priority, is_supported() or __call__()"
+    return None
+
+
+class OpRegistry(NamedRegistry[Op]):
+    """Registered ops: `register(op, *, override=False)`."""
+
+    def __init__(self, kind: str = "op", validate: Any = _validate_op):
+        super().__init__(kind, validate)
 
 
 def _validate_kernel(name: str, value: Any) -> str | None:
@@ -57,62 +163,132 @@ def _validate_kernel(name: str, value: Any) -> str | None:
     return None
 
 
-class KernelRegistry:
-    """Op name -> registry of kernels for that op."""
+class KernelRegistry(Registry):
+    """Op name -> registry of kernels for that op; `register(op, kernel, *, override=False)`.
 
-    def __init__(self):
+    `op` is an `Op` or a registered op's name. An op's reference kernel is a
+    candidate even when nobody registers it.
+    """
+
+    def __init__(self, kind: str = "kernel", validate: Any = None):
+        super().__init__(kind, validate)
         self._ops: dict[str, Registry[Kernel]] = {}
+        self._op_registry: OpRegistry | None = None
         # (op, kernel, reason) already logged: every layer selects at trace time, so
         # a declining kernel would otherwise log once per layer and per trace.
         self._logged_declines: set[tuple[str, str, str]] = set()
 
-    def register(self, op: str, kernel: Kernel, provenance: Provenance, override: bool = False) -> None:
-        registry = self._ops.setdefault(op, Registry(f"'{op}' kernel", _validate_kernel))
+    def register(self, op: Any, kernel: Kernel, provenance: Provenance, override: bool = False) -> None:
+        op_name = op.name if isinstance(op, Op) else op
+        if not isinstance(op_name, str) or not op_name:
+            raise UnknownComponentError(f"{provenance} registered a kernel for op {op!r}; name a registered op.")
+        registry = self._ops.setdefault(op_name, Registry(f"'{op_name}' kernel", _validate_kernel))
         registry.register(getattr(kernel, "name", None), kernel, provenance, override)
+
+    def register_callback(self, provenance: Provenance):
+        def register(op: Any, kernel: Kernel, *, override: bool = False) -> None:
+            self.register(op, kernel, provenance, override)
+
+        return register
+
+    def finalize(self, registries: Registries) -> None:
+        """Links the op registry, adds each op's reference kernel, rejects kernels of unknown ops."""
+        ops: OpRegistry = registries.family("ops")
+        self._op_registry = ops
+        for op_name in list(self._ops):
+            if op_name not in ops:
+                first = self._ops[op_name].entry(next(iter(self._ops[op_name])))
+                raise UnknownComponentError(
+                    f"{first.provenance} registered kernel '{first.name}' for op '{op_name}', which no "
+                    f"plugin declares{did_you_mean(op_name, ops)}; ops: {', '.join(ops.names())}. Fix "
+                    f"the op name or register the op with axcore_register_ops."
+                )
+        for op_name in ops:
+            entry = ops.entry(op_name)
+            registry = self._ops.setdefault(op_name, Registry(f"'{op_name}' kernel", _validate_kernel))
+            # Through `register`, so a plugin kernel named like the reference needs override=True.
+            registry.register(entry.value.reference.name, entry.value.reference, entry.provenance)
 
     def ops(self) -> list[str]:
         return sorted(self._ops)
 
-    def candidates(self, op: str) -> list[Kernel]:
-        """Kernels for `op` in the order `select` tries them."""
-        registry = self._ops.get(op)
-        if registry is None:
+    def op(self, op: Any) -> Op:
+        """The registered `Op` for an op object or name; raises for an unknown op."""
+        if isinstance(op, Op) and self._op_registry is None:
+            return op  # A bare registry (outside a plugin manager) trusts the op object.
+        name = op.name if isinstance(op, Op) else op
+        if self._op_registry is None or name not in self._op_registry:
+            known = self._op_registry.names() if self._op_registry is not None else self.ops()
             raise UnknownComponentError(
-                f"No kernels registered for op '{op}'{did_you_mean(op, self._ops)}; ops: "
-                f"{', '.join(self.ops())}."
+                f"No op named '{name}'{did_you_mean(str(name), known)}; ops: {', '.join(known)}. Register "
+                f"it with axcore_register_ops."
             )
-        kernels = [registry[name] for name in registry]
+        return self._op_registry[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._ops
+
+    def __iter__(self):
+        return iter(self._ops)
+
+    def names(self) -> list[str]:
+        return self.ops()
+
+    def candidates(self, op: Any) -> list[Kernel]:
+        """Kernels for `op` in the order `select` tries them."""
+        declared = self.op(op)
+        registry = self._ops.get(declared.name)
+        kernels = [registry[n] for n in registry] if registry is not None else []
+        if all(k.name != declared.reference.name for k in kernels):
+            kernels.append(declared.reference)
         return sorted(kernels, key=lambda k: (-k.priority, k.name))
 
-    def select(self, op: str, problem: Any, requested: str | None = None) -> Kernel:
+    def select(self, op: Any, problem: Any, requested: str | None = None) -> Kernel:
         """The kernel to run `op` on `problem`.
 
         Args:
-            op: the op name.
-            problem: op-specific description (shapes, dtypes, flags, platform).
+            op: the `Op` (or its registered name).
+            problem: an instance of the op's problem type.
             requested: a kernel name to force; it must support the problem.
 
         Raises:
+            UnknownComponentError: the op or the requested kernel is unknown.
             KernelNotSupportedError: the requested kernel declines, or every kernel does.
         """
+        declared = self.op(op)
+        if not isinstance(problem, declared.problem_type):
+            raise TypeError(f"op '{declared.name}' takes a {declared.problem_type.__name__}, got {type(problem).__name__}")
         if requested is not None:
-            kernel = self._ops[op][requested] if op in self._ops else None
-            if kernel is None:
-                self.candidates(op)  # Raises for an unknown op.
+            by_name = {k.name: k for k in self.candidates(declared)}
+            if requested not in by_name:
+                raise UnknownComponentError(
+                    f"No '{declared.name}' kernel named '{requested}'{did_you_mean(requested, by_name)}; "
+                    f"kernels: {', '.join(sorted(by_name))}. Enable the plugin that provides it in `plugins:`."
+                )
+            kernel = by_name[requested]
             support = kernel.is_supported(problem)
             if not support:
                 raise KernelNotSupportedError(
-                    f"The '{op}' kernel '{requested}' does not support this problem: "
+                    f"The '{declared.name}' kernel '{requested}' does not support this problem: "
                     f"{support.reason}. Remove the explicit kernel choice to fall back."
                 )
             return kernel
         reasons = []
-        for kernel in self.candidates(op):
+        for kernel in self.candidates(declared):
             support = kernel.is_supported(problem)
             if support:
                 return kernel
-            if (op, kernel.name, support.reason) not in self._logged_declines:
-                self._logged_declines.add((op, kernel.name, support.reason))
-                logger.info("'%s' kernel '%s' declined: %s", op, kernel.name, support.reason)
+            if (declared.name, kernel.name, support.reason) not in self._logged_declines:
+                self._logged_declines.add((declared.name, kernel.name, support.reason))
+                logger.info("'%s' kernel '%s' declined: %s", declared.name, kernel.name, support.reason)
             reasons.append(f"{kernel.name}: {support.reason}")
-        raise KernelNotSupportedError(f"No '{op}' kernel supports this problem ({'; '.join(reasons)}).")
+        raise KernelNotSupportedError(f"No '{declared.name}' kernel supports this problem ({'; '.join(reasons)}).")
+
+
+def fixed_op_callback(op_name: str):
+    """A `registers` callback for a hook whose `register(kernel)` always targets op `op_name`."""
+
+    def callback(registry: KernelRegistry, provenance: Provenance):
+        return lambda kernel, *, override=False: registry.register(op_name, kernel, provenance, override)
+
+    return callback

@@ -3,7 +3,7 @@
 from axcore.layers.attention import MultiheadAttention
 from axcore.layers.base import BaseLayer, with_fields
 from axcore.layers.basic import Embedding, LayerNorm, Linear, RMSNorm
-from axcore.layers.feed_forward import Activation, FeedForward, Gating
+from axcore.layers.feed_forward import Activation, FeedForward
 from axcore.layers.lm import CausalLM, cross_entropy, sum_aux_losses
 from axcore.layers.position import LearnedPositionEmbedding, PositionEmbedding
 from axcore.layers.transformer import RepeatedTransformer, StackedTransformer, TransformerLayer
@@ -14,7 +14,6 @@ __all__ = [
     "CausalLM",
     "Embedding",
     "FeedForward",
-    "Gating",
     "LayerNorm",
     "LearnedPositionEmbedding",
     "Linear",

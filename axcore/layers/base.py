@@ -1,12 +1,61 @@
-"""BaseLayer: a Module with a parameter dtype and weight initialization settings."""
+"""BaseLayer: a Module with a dtype policy, weight initialization and op calls.
+
+Dtype policy (the one place it is defined):
+
+- `param_dtype` is the storage dtype of parameters (the optimizer's master weights);
+  `compute_dtype` is the dtype of activations and of both operands of every matmul.
+  Both default to None, meaning "the parent layer's", and float32 at the root, so
+  `model.compute_dtype: bfloat16` alone gives mixed precision: float32 parameters
+  and optimizer state, bfloat16 matmuls and activations. A layer that sets either
+  field overrides it for itself and its descendants.
+- Parameters are cast to the compute dtype where they are used (inside the `dot`
+  op, or by the layer for biases and embeddings), so gradients reach the float32
+  master weights in float32.
+- Norms, softmax, logits and the loss are computed in float32 whatever the compute
+  dtype: norms and attention kernels upcast internally, the output head asks the
+  `dot` op for a float32 result, and the loss upcasts the logits.
+
+Op calls: every weight matmul goes through the `dot` op of the kernel registry
+(`self._dot(site, x)` for a site declared in `_dot_sites()`), so a kernel plugin
+(fp8, int8, a fused GPU matmul) reaches it without a layer change. A kernel's own
+state for a site lives among the layer's parameters under `kernel_state/<site>`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+import jax
+import numpy as np
+
 from axcore.config import DType, InstantiableConfig
-from axcore.module import Module
+from axcore.kernels.dot import DOT, DotProblem, dot_problem
+from axcore.kernels.registry import Kernel, Op, Problem, current_environment
+from axcore.module import Module, no_context
 from axcore.params import FanAxes, Initializer, ParameterSpec, ParamInit, constant
+from axcore.sharding import activation_spec
+
+# Key of kernel state (e.g. quantization scales) in a layer's parameter tree.
+KERNEL_STATE = "kernel_state"
+# Dtype of parameters and computation when no ancestor sets one.
+DEFAULT_DTYPE = "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class DotSite:
+    """A weight matmul of a layer: which weight, and which of its dims are contracted."""
+
+    # Name of the weight among the layer's own parameters.
+    weight: str
+    # Weight dims contracted with x's trailing dims, in order.
+    contract: tuple[int, ...] = (0,)
+    # Dtype of the result; None = the compute dtype ("float32" for logits).
+    output_dtype: Any = None
+    # Dtype both operands are cast to; None = the layer's compute dtype (a router may ask for float32).
+    compute_dtype: Any = None
+    # Logical axes of x, e.g. ("batch", "seq", "embed"); None = unknown (its partition spec is None).
+    x_axes: tuple[str | None, ...] | None = None
 
 
 class BaseLayer(Module):
@@ -15,10 +64,56 @@ class BaseLayer(Module):
     class Config(Module.Config):
         """Configures BaseLayer."""
 
-        # Storage dtype of this layer's parameters.
-        param_dtype: DType = "float32"
+        # Storage dtype of parameters; None = the parent layer's (float32 at the root).
+        param_dtype: DType | None = None
+        # Dtype of activations and matmul operands; None = the parent layer's (float32 at the root).
+        compute_dtype: DType | None = None
         # Initialization of this layer's weights (biases and norm scales are constant).
         param_init: ParamInit = ParamInit()
+        # Kernel to force per op name, e.g. {dot: xla}; merged over the parent's; None = the parent's.
+        kernels: dict[str, str] | None = None
+        # Extras for the problems of this layer's ops, {op: {name: value}}; merged over the parent's.
+        op_extras: dict[str, Any] | None = None
+
+    # -- Inherited settings -----------------------------------------------------------
+
+    def _inherited(self, field: str) -> list[Any]:
+        """Values of `field` from the root down to this layer (unset ones skipped)."""
+        values, node = [], self
+        while node is not None:
+            cfg = node.config
+            if field in cfg.keys() and getattr(cfg, field) is not None:
+                values.append(getattr(cfg, field))
+            node = node.parent
+        return values[::-1]
+
+    @property
+    def param_dtype(self) -> np.dtype:
+        """Storage dtype of this layer's parameters (policy in the module docstring)."""
+        return np.dtype((self._inherited("param_dtype") or [DEFAULT_DTYPE])[-1])
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        """Dtype of this layer's activations and matmul operands."""
+        return np.dtype((self._inherited("compute_dtype") or [DEFAULT_DTYPE])[-1])
+
+    @no_context
+    def kernel_choice(self, op: Op) -> str | None:
+        """The kernel name forced for `op` here (nearest `kernels` entry), or None."""
+        choice = None
+        for kernels in self._inherited("kernels"):
+            choice = kernels.get(op.name, choice)
+        return choice
+
+    @no_context
+    def op_extras(self, op: Op) -> dict[str, Any]:
+        """Extras for `op`'s problems here: every ancestor's `op_extras[op]`, nearer ones winning."""
+        merged: dict[str, Any] = {}
+        for extras in self._inherited("op_extras"):
+            merged.update(extras.get(op.name) or {})
+        return merged
+
+    # -- Parameters -------------------------------------------------------------------
 
     def _weight(
         self,
@@ -31,7 +126,7 @@ class BaseLayer(Module):
         """Spec of a weight initialized by `param_init` with the given fans."""
         return ParameterSpec(
             shape=tuple(shape),
-            dtype=self._config.param_dtype,
+            dtype=self.param_dtype,
             initializer=self._config.param_init.initializer(fan_axes),
             mesh_axes=mesh_axes,
             weight_decay_scale=weight_decay_scale,
@@ -42,7 +137,85 @@ class BaseLayer(Module):
     ) -> ParameterSpec:
         """Spec of a bias or scale: constant init, no weight decay."""
         init: Initializer = constant(value)
-        return ParameterSpec(tuple(shape), self._config.param_dtype, init, mesh_axes, 0.0)
+        return ParameterSpec(tuple(shape), self.param_dtype, init, mesh_axes, 0.0)
+
+    def parameter_specs(self) -> dict[str, Any]:
+        """Own and children's specs, plus the state of the kernels chosen for this layer's dot sites."""
+        specs = super().parameter_specs()
+        sites = self._dot_sites()
+        if not sites:
+            return specs
+        own = self._create_parameter_specs()
+        state = {}
+        for site in sites:
+            problem = self._dot_problem(site, own[sites[site].weight])
+            kernel = self._select(DOT, problem)
+            declared = kernel.state_specs(problem) if hasattr(kernel, "state_specs") else None
+            if declared:
+                state[site] = dict(declared)
+        if state:
+            specs[KERNEL_STATE] = state
+        return specs
+
+    # -- Ops --------------------------------------------------------------------------
+
+    def _dot_sites(self) -> dict[str, DotSite]:
+        """This layer's weight matmuls by site name. Override in layers that multiply by weights."""
+        return {}
+
+    def _dot_problem(self, site: str, weight: Any, x: Any = None) -> DotProblem:
+        """The problem of dot site `site` (x None: when declaring parameters, before any input exists)."""
+        declared = self._dot_sites()[site]
+        w_axes = self._create_parameter_specs()[declared.weight].mesh_axes
+        compute = declared.compute_dtype or self.compute_dtype
+        env = current_environment()
+        return dot_problem(
+            jax.ShapeDtypeStruct((), compute),
+            weight,
+            declared.contract,
+            compute_dtype=compute,
+            output_dtype=declared.output_dtype,
+            w_axes=w_axes,
+            site=f"{self.path}.{site}",
+            extras=self.op_extras(DOT),
+            mesh=env.mesh,
+            input_specs=self._input_specs((declared.x_axes, x), (w_axes, weight)) if x is not None else (),
+        )
+
+    def _input_specs(self, *inputs: tuple[Any, Any]) -> tuple[Any, ...]:
+        """PartitionSpecs of `(logical_axes, array)` inputs under the traced mesh; all None outside one."""
+        env = current_environment()
+        if env.mesh is None:
+            return tuple(None for _ in inputs)
+        return tuple(
+            None if axes is None else activation_spec(axes, array.shape, env.axis_rules, env.mesh)
+            for axes, array in inputs
+        )
+
+    def _select(self, op: Op, problem: Problem) -> Kernel:
+        return self.registries.kernels.select(op, problem, requested=self.kernel_choice(op))
+
+    def _dot(self, site: str, x: jax.Array) -> jax.Array:
+        """Runs dot site `site` on x through the selected `dot` kernel (with its state, if any)."""
+        weight = self.parameters[self._dot_sites()[site].weight]
+        problem = self._dot_problem(site, weight, x)
+        kernel = self._select(DOT, problem)
+        return self._run_kernel(kernel, site, problem, x, weight)
+
+    def _run_kernel(self, kernel: Kernel, site: str, problem: Problem, *inputs: Any, **optional: Any) -> Any:
+        """Calls `kernel`; a kernel with state gets `state=` and returns `(output, new_state)`."""
+        if not hasattr(kernel, "state_specs"):
+            return kernel(problem, *inputs, **optional)
+        state = self.parameters.get(KERNEL_STATE, {}).get(site)
+        if state is None:
+            raise KeyError(
+                f"{self.path}: kernel '{kernel.name}' for site '{site}' keeps state, but the parameters "
+                f"hold none; re-create the parameters (initialize) with the same plugins."
+            )
+        output, new_state = kernel(problem, *inputs, state=state, **optional)
+        if new_state is not None:
+            self.output_collection.state_updates.setdefault(KERNEL_STATE, {})[site] = new_state
+        return output
 
 
 def with_fields(cfg: InstantiableConfig, **values: Any) -> InstantiableConfig:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED
-from axcore.kernels.linear import LINEAR_OP, LinearProblem
-from axcore.layers.base import BaseLayer
+from axcore.config import REQUIRED, DType
+from axcore.errors import ConfigError
+from axcore.layers.base import BaseLayer, DotSite
 from axcore.params import FanAxes, ParameterSpec
 
 
@@ -25,8 +25,10 @@ class Linear(BaseLayer):
         bias: bool = True
         # Logical axis names of the weight `[input_dim, output_dim]`.
         weight_axes: tuple[str | None, str | None] = (None, None)
-        # Linear kernel to force by name; None = highest-priority kernel that supports the call.
-        kernel: str | None = None
+        # Logical axes of x, e.g. [batch, seq, embed] (tells kernels x's partition spec); None = unknown.
+        input_axes: tuple[str | None, ...] | None = None
+        # Dtype of y; None = the compute dtype (an output head sets float32 logits).
+        output_dtype: DType | None = None
 
     def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
         cfg = self._config
@@ -39,13 +41,13 @@ class Linear(BaseLayer):
             specs["bias"] = self._constant((cfg.output_dim,), 0.0, (cfg.weight_axes[1],))
         return specs
 
+    def _dot_sites(self) -> dict[str, DotSite]:
+        return {"dot": DotSite("weight", (0,), self._config.output_dtype, x_axes=self._config.input_axes)}
+
     def forward(self, x: jax.Array) -> jax.Array:
-        params = self.parameters
-        weight = params["weight"].astype(x.dtype)
-        kernel = self.registries.kernels.select(LINEAR_OP, LinearProblem.of(x, weight), requested=self._config.kernel)
-        y = kernel(x, weight)
-        if "bias" in params:
-            y = y + params["bias"].astype(x.dtype)
+        y = self._dot("dot", x)
+        if "bias" in self.parameters:
+            y = y + self.parameters["bias"].astype(y.dtype)
         return y
 
 
@@ -59,6 +61,8 @@ class Embedding(BaseLayer):
         num_embeddings: int = REQUIRED
         # Embedding dimension.
         dim: int = REQUIRED
+        # Whether `attend` (logits against the table, a tied output head) is used; a model sets it.
+        tied_head: bool = False
 
     def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
         cfg = self._config
@@ -67,12 +71,20 @@ class Embedding(BaseLayer):
             "weight": self._weight((cfg.num_embeddings, cfg.dim), ("vocab", "embed"), FanAxes((1,), (0,)))
         }
 
+    def _dot_sites(self) -> dict[str, DotSite]:
+        if not self._config.tied_head:
+            return {}  # No output-head matmul, so no kernel state for one.
+        return {"attend": DotSite("weight", (1,), "float32", x_axes=("batch", "seq", "embed"))}
+
     def forward(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.parameters["weight"], ids, axis=0)
+        """ids `[...]` int -> `[..., dim]` in the compute dtype."""
+        return jnp.take(self.parameters["weight"], ids, axis=0).astype(self.compute_dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """Logits against the embedding table: `[..., dim]` -> `[..., num_embeddings]`."""
-        return jnp.einsum("...d,vd->...v", x, self.parameters["weight"].astype(x.dtype))
+        """Float32 logits against the embedding table: `[..., dim]` -> `[..., num_embeddings]`."""
+        if not self._config.tied_head:
+            raise ConfigError(f"{self.path}: attend() needs tied_head: true (it declares the output-head matmul).")
+        return self._dot("attend", x)
 
 
 class RMSNorm(BaseLayer):
@@ -119,7 +131,7 @@ class LayerNorm(BaseLayer):
         x32 = x.astype(jnp.float32)
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self._config.eps) * self.parameters["scale"]
+        y = (x32 - mean) * jax.lax.rsqrt(var + self._config.eps) * self.parameters["scale"].astype(jnp.float32)
         if self._config.bias:
-            y = y + self.parameters["bias"]
+            y = y + self.parameters["bias"].astype(jnp.float32)
         return y.astype(x.dtype)

@@ -1,4 +1,4 @@
-"""Position-wise feed-forward layer, plain or gated (GLU variants such as SwiGLU)."""
+"""Position-wise feed-forward layer: `down(act(up(x)))`."""
 
 from __future__ import annotations
 
@@ -30,15 +30,20 @@ def activation_fn(activation: Activation):
     }[activation]
 
 
-class Gating(enum.Enum):
-    # down(act(up(x))).
-    NONE = "none"
-    # down(act(gate(x)) * up(x)): GEGLU with GELU, SwiGLU with SiLU.
-    GATED = "gated"
+def projection_configs(cfg: FeedForward.Config) -> tuple[Linear.Config, Linear.Config]:
+    """The `[input_dim -> hidden_dim]` and `[hidden_dim -> input_dim]` Linear configs of a feed-forward
+    config, from its `linear` template, with the weights' and inputs' logical axes."""
+    up = cfg.linear.clone(
+        input_dim=cfg.input_dim, output_dim=cfg.hidden_dim, weight_axes=("embed", "mlp"), input_axes=("batch", "seq", "embed")
+    )
+    down = cfg.linear.clone(
+        input_dim=cfg.hidden_dim, output_dim=cfg.input_dim, weight_axes=("mlp", "embed"), input_axes=("batch", "seq", "mlp")
+    )
+    return up, down
 
 
 class FeedForward(BaseLayer):
-    """x `[..., input_dim]` -> `[..., input_dim]` through a hidden layer of `hidden_dim`."""
+    """x `[..., input_dim]` -> `down(act(up(x)))` `[..., input_dim]`, hidden layer of `hidden_dim`."""
 
     class Config(BaseLayer.Config):
         """Configures FeedForward."""
@@ -47,27 +52,17 @@ class FeedForward(BaseLayer):
         input_dim: int = REQUIRED
         # Hidden dimension.
         hidden_dim: int = REQUIRED
-        # Nonlinearity applied to the (gate) projection.
+        # Nonlinearity applied to the hidden layer.
         activation: Activation = Activation.GELU
-        # Plain or gated hidden layer.
-        gating: Gating = Gating.NONE
         # Template for the projections (dimensions and axes are set by this layer).
         linear: Linear.Config = Linear.default_config().set(bias=False)
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
-        cfg = self._config
-        up = cfg.linear.clone(input_dim=cfg.input_dim, output_dim=cfg.hidden_dim, weight_axes=("embed", "mlp"))
-        if cfg.gating is Gating.GATED:
-            self._add_child("gate_proj", up)
+        up, down = projection_configs(self._config)
         self._add_child("up_proj", up)
-        down = cfg.linear.clone(input_dim=cfg.hidden_dim, output_dim=cfg.input_dim, weight_axes=("mlp", "embed"))
         self._add_child("down_proj", down)
 
     def forward(self, x: jax.Array) -> jax.Array:
         act = activation_fn(self._config.activation)
-        if self._config.gating is Gating.GATED:
-            hidden = act(self.gate_proj(x)) * self.up_proj(x)
-        else:
-            hidden = act(self.up_proj(x))
-        return self.down_proj(hidden)
+        return self.down_proj(act(self.up_proj(x)))

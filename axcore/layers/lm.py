@@ -91,17 +91,18 @@ class CausalLM(BaseLayer):
                     f"{self.path}.decoder.{path}: a causal LM needs causal attention, but causal is "
                     f"false (a decoder whose type was switched starts from defaults); set causal: true."
                 )
-        self._add_child("embedding", with_fields(cfg.embedding, num_embeddings=cfg.vocab_size, dim=cfg.dim))
+        embedding = with_fields(cfg.embedding, num_embeddings=cfg.vocab_size, dim=cfg.dim, tied_head=cfg.lm_head is None)
+        self._add_child("embedding", embedding)
         if cfg.position_embedding is not None:
             self._add_child("position_embedding", with_fields(cfg.position_embedding, dim=cfg.dim))
         self._add_child("decoder", with_fields(cfg.decoder, input_dim=cfg.dim, num_layers=cfg.num_layers))
         self._add_child("final_norm", with_fields(cfg.final_norm, input_dim=cfg.dim))
         if cfg.lm_head is not None:
-            lm_head = with_fields(cfg.lm_head, input_dim=cfg.dim, output_dim=cfg.vocab_size)
-            self._add_child("lm_head", lm_head.set(weight_axes=("embed", "vocab")))
+            lm_head = with_fields(cfg.lm_head, input_dim=cfg.dim, output_dim=cfg.vocab_size, output_dtype="float32")
+            self._add_child("lm_head", lm_head.set(weight_axes=("embed", "vocab"), input_axes=("batch", "seq", "embed")))
 
     def logits(self, input_ids: jax.Array, positions: jax.Array | None = None, kv_mask=None) -> jax.Array:
-        """input_ids `[batch, seq]` -> logits `[batch, seq, vocab_size]`."""
+        """input_ids `[batch, seq]` -> float32 logits `[batch, seq, vocab_size]`."""
         x = self.embedding(input_ids)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)

@@ -1,6 +1,6 @@
 """Built-in plugin: the reference layers and the learned position embedding."""
 
-from axcore.hookspecs import hookimpl
+from axcore.markers import hookimpl
 from axcore.layers.attention import MultiheadAttention
 from axcore.layers.basic import Embedding, LayerNorm, Linear, RMSNorm
 from axcore.layers.feed_forward import FeedForward

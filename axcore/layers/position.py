@@ -7,7 +7,12 @@ is the identity, so an embedding implements only what it needs:
   model's input slot (`CausalLM.position_embedding`).
 - `transform_qk(q, k, q_positions, k_positions)`: relative embeddings that rotate or
   otherwise transform queries and keys (relative embeddings), in an attention layer's slot.
-- `attention_bias(q_positions, k_positions)`: an additive logit bias (ALiBi).
+- `bias_slopes()`: per-head slopes of a linear distance bias `-slope_h * |i - j|`
+  (ALiBi); the attention kernel computes the bias itself, so flash-style kernels
+  keep working.
+- `attention_bias(q_positions, k_positions)`: any other additive logit bias, given
+  to the attention kernel as a function of positions (kernels that cannot call it
+  decline, and the reference kernel computes it densely).
 
 The parent sets `dim` (model dim in an input slot, head dim in an attention slot)
 and `num_heads` (attention slots only).
@@ -45,8 +50,13 @@ class PositionEmbedding(BaseLayer):
         del q_positions, k_positions
         return q, k
 
+    def bias_slopes(self):
+        """-> `[num_heads]` slopes of the bias `-slope_h * |q_pos - k_pos|`, or None (no such bias)."""
+        return None
+
     def attention_bias(self, q_positions, k_positions):
-        """-> additive bias `[batch|1, heads|1, q_len, kv_len]`, or None."""
+        """-> additive bias `[batch|1, heads|1, q_len, kv_len]`, or None. Used only when
+        a subclass overrides it and `bias_slopes()` is None."""
         del q_positions, k_positions
         return None
 

@@ -165,7 +165,7 @@ class RepeatedTransformer(BaseLayer):
         def stack(spec: ParameterSpec) -> ParameterSpec:
             axes = None if spec.mesh_axes is None else ("layers", *spec.mesh_axes)
             init = StackedInitializer(spec.initializer)
-            return ParameterSpec((n, *spec.shape), spec.dtype, init, axes, spec.weight_decay_scale)
+            return dataclasses.replace(spec, shape=(n, *spec.shape), initializer=init, mesh_axes=axes)
 
         return {"layer": jax.tree.map(stack, self.layer.parameter_specs())}
 

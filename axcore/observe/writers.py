@@ -8,6 +8,9 @@ names seen so far (train metrics every few steps, eval metrics more rarely).
 - `TensorBoardWriter(logdir)`: TensorBoard event files (scalars), through tensorboardX.
 - `MultiWriter([w1, w2])`: sends every write to each writer in turn.
 
+The trainer builds its writers from configs (`trainer.metrics_writers`) through
+registered factories (`axcore.observe.factories`).
+
 In a multi-host run only one process (usually `jax.process_index() == 0`)
 should write; that choice belongs to the caller.
 """

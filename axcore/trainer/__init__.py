@@ -1,15 +1,28 @@
-"""Training: learner (optax), the train loop, evaluation and sampling."""
+"""Training: the learner (registered optimizers and schedules on optax), the train loop, evaluation and sampling."""
 
 from axcore.trainer.config import CheckpointConfig, SampleConfig, TrainerConfig
-from axcore.trainer.learner import LearnerConfig, Optimizer, Schedule, build_optimizer, learning_rate_schedule
+from axcore.trainer.learner import LearnerConfig, StateUpdateError, build_optimizer, learning_rate_schedule
+from axcore.trainer.optimizers import SGD, Adafactor, AdamW, Lion, Optimizer, scale_by_adam
+from axcore.trainer.schedules import Constant, Cosine, DecayShape, LinearDecay, Schedule, WarmupStableDecay
 
 __all__ = [
+    "SGD",
+    "Adafactor",
+    "AdamW",
     "CheckpointConfig",
+    "Constant",
+    "Cosine",
+    "DecayShape",
     "LearnerConfig",
+    "Lion",
+    "LinearDecay",
     "Optimizer",
     "SampleConfig",
     "Schedule",
+    "StateUpdateError",
     "TrainerConfig",
+    "WarmupStableDecay",
     "build_optimizer",
     "learning_rate_schedule",
+    "scale_by_adam",
 ]

@@ -1,9 +1,23 @@
-"""Typed configs of the training loop."""
+"""Typed configs of the training loop, and their checks against the registries."""
 
 from __future__ import annotations
 
-from axcore.config import ConfigBase
-from axcore.trainer.learner import LearnerConfig
+import inspect
+import os
+import typing
+from typing import Any
+
+from axcore.config import ConfigBase, InstantiableConfig
+from axcore.config.base import coerce
+from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
+from axcore.observe.factories import JsonlWriterFactory, MetricsWriterFactory, TensorBoardWriterFactory
+from axcore.registry import Registries
+from axcore.trainer.learner import LearnerConfig, check_component
+from axcore.trainer.optimizers import Optimizer
+from axcore.trainer.schedules import Schedule
+
+# Factory arguments the trainer sets itself (from CheckpointConfig fields of the same names).
+_TRAINER_BACKEND_ARGUMENTS = ("keep_last_n", "async_save")
 
 
 class CheckpointConfig(ConfigBase):
@@ -11,6 +25,8 @@ class CheckpointConfig(ConfigBase):
 
     # Checkpoint backend by registered name (orbax, tensorstore, or a plugin's).
     backend: str = "orbax"
+    # The backend's own settings, passed to its factory as keyword arguments (e.g. orbax's compress: true).
+    backend_settings: dict[str, Any] = {}
     # Save every N steps (and always at the end); 0 = only at the end.
     every_n_steps: int = 100
     # Number of committed checkpoints kept; None keeps all.
@@ -22,13 +38,13 @@ class CheckpointConfig(ConfigBase):
 
 
 class SampleConfig(ConfigBase):
-    """Text generated from the trained model at the end of the run."""
+    """Text generated from the trained model at the end of the run (with the experiment's tokenizer)."""
 
     # Text the sample continues.
     prompt: str = "The "
-    # Number of bytes to generate; 0 disables sampling.
-    num_bytes: int = 200
-    # Softmax temperature; 0 picks the most likely byte.
+    # Number of tokens to generate; 0 disables sampling.
+    num_tokens: int = 200
+    # Softmax temperature; 0 picks the most likely token.
     temperature: float = 0.8
 
 
@@ -41,7 +57,7 @@ class TrainerConfig(ConfigBase):
     eval_every: int = 100
     # Held-out batches per evaluation.
     eval_batches: int = 8
-    # Plain progress lines every N steps when the terminal is not a TTY.
+    # Read metrics back from the device (record, progress, non-finite check) every N steps (and at eval/checkpoint/last).
     log_every: int = 10
     # Seed of parameter initialization and of per-step randomness (dropout).
     seed: int = 0
@@ -53,3 +69,73 @@ class TrainerConfig(ConfigBase):
     checkpoint: CheckpointConfig = CheckpointConfig()
     # Sample printed at the end.
     sample: SampleConfig = SampleConfig()
+    # Where fetched metrics go: registered metrics writers (jsonl, tensorboard, or a plugin's), in order.
+    metrics_writers: list[InstantiableConfig] = [
+        JsonlWriterFactory.default_config(),
+        TensorBoardWriterFactory.default_config(),
+    ]
+
+
+def check_trainer_config(cfg: TrainerConfig, registries: Registries, path: str = "trainer") -> None:
+    """Checks what the registries know: component kinds and the checkpoint backend's settings.
+
+    Raises:
+        ConfigError (or a subclass) naming the offending path and what to use instead.
+    """
+    if cfg.log_every < 1:
+        raise ConfigError(f"'{path}.log_every' must be >= 1 (steps between metric fetches), got {cfg.log_every}.")
+    learner = f"{path}.learner"
+    check_component(cfg.learner.optimizer, Optimizer, f"{learner}.optimizer", names=registries.optimizers.names())
+    check_component(cfg.learner.schedule, Schedule, f"{learner}.schedule", names=registries.schedules.names())
+    for i, writer in enumerate(cfg.metrics_writers):
+        check_component(
+            writer,
+            MetricsWriterFactory,
+            f"{path}.metrics_writers[{i}]",
+            kind="metrics writer",
+            names=registries.metrics_writers.names(),
+        )
+    backend_arguments(cfg.checkpoint, registries, f"{path}.checkpoint")
+
+
+def backend_arguments(cfg: CheckpointConfig, registries: Registries, path: str = "trainer.checkpoint") -> dict[str, Any]:
+    """Keyword arguments of the checkpoint backend's factory, checked against its signature.
+
+    `backend_settings` may name any keyword argument of the factory except the
+    directory and the ones the trainer sets (`keep_last_n`, `async_save`); values are
+    checked against the factory's annotations.
+
+    Raises:
+        UnknownComponentError: no backend of that name (the message lists them).
+        UnknownFieldError / ConfigTypeError: a setting the factory does not take, or
+            of the wrong type, naming `<path>.backend_settings.<key>`.
+    """
+    factory = registries.checkpoint_backends[cfg.backend]
+    parameters = list(inspect.signature(factory).parameters.values())
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    # The first parameter is the checkpoint directory.
+    accepted = [p.name for p in parameters[1:] if p.kind in keyword and p.name not in _TRAINER_BACKEND_ARGUMENTS]
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    try:
+        hints = typing.get_type_hints(factory)
+    except (NameError, TypeError):  # Unresolvable annotations in a plugin's factory: values go unchecked.
+        hints = {}
+    settings = {}
+    for key, value in cfg.backend_settings.items():
+        where = f"{path}.backend_settings.{key}"
+        if key in _TRAINER_BACKEND_ARGUMENTS:
+            raise ConfigError(f"'{where}' is set by the trainer; set '{path}.{key}' instead.")
+        if key not in accepted and not takes_any:
+            raise UnknownFieldError(
+                f"Checkpoint backend '{cfg.backend}' takes no setting '{key}' ('{where}'){did_you_mean(key, accepted)}; "
+                f"its settings are: {', '.join(accepted) or 'none'}."
+            )
+        settings[key] = coerce(value, hints[key], where) if key in hints else value
+    return settings
+
+
+def make_checkpoint_backend(cfg: CheckpointConfig, registries: Registries, directory: str | os.PathLike) -> Any:
+    """The configured checkpoint backend, writing to `directory`."""
+    factory = registries.checkpoint_backends[cfg.backend]
+    settings = backend_arguments(cfg, registries)
+    return factory(directory, keep_last_n=cfg.keep_last_n, async_save=cfg.async_save, **settings)

@@ -1,75 +1,125 @@
-"""The learner: an optax optimizer built from a typed config.
+"""The learner: a registered optimizer and schedule, plus what every optimizer shares.
 
-AdamW with per-parameter weight-decay scales taken from the parameter specs
-(norm scales and biases declare 0), global-norm clipping, and a warmup followed by
-cosine or linear decay.
+    update = -learning_rate(step) * (direction(clip(grads)) + weight_decay * scale * params)
+
+`direction` is the configured optimizer's (`trainer.learner.optimizer`, e.g.
+`{type: adamw, b1: 0.9}`), `learning_rate(step)` the configured schedule's
+(`trainer.learner.schedule`, e.g. `{type: cosine, warmup_steps: 30}`) at peak
+`learning_rate`, `scale` each parameter's `weight_decay_scale` (norm scales and
+biases declare 0), and `clip` global-norm clipping. Parameters declared with
+`trainable=False` (a kernel's state) are left out of all of it: the optimizer keeps no
+state for them, their gradients do not count towards the clipping norm, and their
+update is zero (the train step takes their new values from `state_updates`).
 """
 
 from __future__ import annotations
 
-import enum
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from axcore.config import ConfigBase
+from axcore.config import ConfigBase, InstantiableConfig
+from axcore.errors import AxcoreError, ConfigError
 from axcore.params import ParameterSpec
+from axcore.trainer.optimizers import AdamW, Optimizer
+from axcore.trainer.schedules import Cosine, Schedule
 
-
-class Schedule(enum.Enum):
-    CONSTANT = "constant"
-    COSINE = "cosine"
-    LINEAR = "linear"
-
-
-class Optimizer(enum.Enum):
-    ADAMW = "adamw"
-    SGD = "sgd"
+# multi_transform labels of trainable and frozen (trainable=False) parameters.
+TRAINABLE, FROZEN = "trainable", "frozen"
 
 
 class LearnerConfig(ConfigBase):
-    """Optimizer and learning-rate schedule."""
+    """Optimizer, learning-rate schedule, weight decay and gradient clipping."""
 
-    # Update rule.
-    optimizer: Optimizer = Optimizer.ADAMW
+    # Update rule: a registered optimizer (adamw, adafactor, lion, sgd, or a plugin's).
+    optimizer: InstantiableConfig = AdamW.default_config()
+    # Shape of the learning rate over the run: a registered schedule (constant, cosine, linear_decay, wsd, ...).
+    schedule: InstantiableConfig = Cosine.default_config().set(warmup_steps=30)
     # Peak learning rate (reached at the end of warmup).
     learning_rate: float = 3e-3
-    # Shape of the learning rate after warmup.
-    schedule: Schedule = Schedule.COSINE
-    # Steps of linear warmup from 0 to the peak.
-    warmup_steps: int = 30
-    # Final learning rate as a fraction of the peak (cosine and linear).
-    end_fraction: float = 0.1
-    # Steps over which the schedule decays; None = the trainer's max_steps.
-    decay_steps: int | None = None
-    # Adam first-moment decay.
-    b1: float = 0.9
-    # Adam second-moment decay.
-    b2: float = 0.95
-    # Adam epsilon.
-    eps: float = 1e-8
-    # Decoupled weight decay, multiplied by each parameter's weight_decay_scale.
+    # Decoupled weight decay, multiplied by the learning rate and by each parameter's weight_decay_scale.
     weight_decay: float = 0.1
     # Clip gradients to this global norm; None disables clipping.
     max_grad_norm: float | None = 1.0
 
 
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, ParameterSpec)
+
+
+def trainable_mask(specs: Any) -> Any:
+    """A tree like `specs` of bools: whether each parameter is trainable."""
+    return jax.tree.map(lambda s: bool(s.trainable), specs, is_leaf=_is_spec)
+
+
+class StateUpdateError(AxcoreError):
+    """A layer recorded a state update that does not fit a non-trainable parameter."""
+
+
+def apply_state_updates(params: Any, updates: Any, trainable: Any, path: str = "") -> Any:
+    """`params` with the leaves in `updates` (nested by child name like `params`) replaced.
+
+    Only non-trainable leaves may be updated; each new value must have its
+    parameter's shape and is cast to its dtype. Leaves not in `updates` stay.
+
+    Raises:
+        StateUpdateError: naming the path of an update that names no parameter, a
+            trainable one, or one of another shape.
+    """
+    if not updates:
+        return params
+    out = dict(params)
+    for name, value in updates.items():
+        where = f"{path}/{name}" if path else str(name)
+        if not isinstance(params, dict) or name not in params:
+            raise StateUpdateError(
+                f"State update '{where}' names no parameter; a layer may only update the non-trainable "
+                f"parameters it declares (ParameterSpec(trainable=False))."
+            )
+        if isinstance(value, dict):
+            out[name] = apply_state_updates(params[name], value, trainable[name], where)
+            continue
+        if isinstance(params[name], dict) or trainable[name]:
+            raise StateUpdateError(
+                f"State update '{where}' targets a trainable parameter (or a subtree); only parameters "
+                f"declared with trainable=False take state updates."
+            )
+        if tuple(value.shape) != tuple(params[name].shape):
+            raise StateUpdateError(
+                f"State update '{where}' has shape {tuple(value.shape)}, but the parameter has shape "
+                f"{tuple(params[name].shape)}."
+            )
+        out[name] = value.astype(params[name].dtype)
+    return out
+
+
+def check_component(
+    config: Any, base: type, path: str, *, kind: str | None = None, names: list[str] | None = None
+) -> None:
+    """Raises ConfigError unless `config` builds a subclass of `base`.
+
+    Configs share one namespace of component names, so `optimizer: {type: linear}`
+    reads fine but names a layer; this names the path and what to use instead.
+    """
+    target = getattr(config, "target", None)
+    if isinstance(target, type) and issubclass(target, base):
+        return
+    kind = kind or base.__name__.lower()
+    article = "an" if kind[0] in "aeiou" else "a"
+    choices = f" ({', '.join(names)})" if names else ""
+    raise ConfigError(
+        f"Config '{path}' builds {getattr(target, '__qualname__', target)!r}, which is not {article} {kind} "
+        f"(a subclass of {base.__module__}.{base.__qualname__}); set '{path}.type' to a registered "
+        f"{kind}{choices}."
+    )
+
+
 def learning_rate_schedule(cfg: LearnerConfig, total_steps: int) -> optax.Schedule:
-    """Warmup then constant / cosine / linear decay to `end_fraction * learning_rate`."""
-    peak, end = cfg.learning_rate, cfg.learning_rate * cfg.end_fraction
-    decay_steps = max((cfg.decay_steps or total_steps) - cfg.warmup_steps, 1)
-    if cfg.schedule is Schedule.CONSTANT:
-        after = optax.constant_schedule(peak)
-    elif cfg.schedule is Schedule.COSINE:
-        after = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.end_fraction)
-    else:
-        after = optax.linear_schedule(peak, end, decay_steps)
-    if cfg.warmup_steps <= 0:
-        return after
-    warmup = optax.linear_schedule(0.0, peak, cfg.warmup_steps)
-    return optax.join_schedules([warmup, after], [cfg.warmup_steps])
+    """The configured schedule at peak `cfg.learning_rate` over `total_steps` steps."""
+    check_component(cfg.schedule, Schedule, "trainer.learner.schedule")
+    return cfg.schedule.instantiate()(cfg.learning_rate, total_steps)
 
 
 class ScaledWeightDecayState(NamedTuple):
@@ -93,17 +143,22 @@ def scaled_weight_decay(weight_decay: float, scales: Any) -> optax.GradientTrans
 
 
 def build_optimizer(cfg: LearnerConfig, specs: Any, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optimizer for parameters declared by `specs` (a ParameterSpec tree)."""
+    """The optimizer for parameters declared by `specs` (a ParameterSpec tree), and its schedule.
+
+    Raises:
+        ConfigError: `optimizer` or `schedule` names a component of another kind.
+    """
     schedule = learning_rate_schedule(cfg, total_steps)
-    scales = jax.tree.map(
-        lambda s: jnp.float32(s.weight_decay_scale), specs, is_leaf=lambda x: isinstance(x, ParameterSpec)
-    )
-    parts = []
-    if cfg.max_grad_norm is not None:
-        parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
-    if cfg.optimizer is Optimizer.ADAMW:
-        parts.append(optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps))
+    check_component(cfg.optimizer, Optimizer, "trainer.learner.optimizer")
+    optimizer = cfg.optimizer.instantiate()
+    direction = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm is not None else []
+    direction.append(optimizer.transform())
+    labels = jax.tree.map(lambda trainable: TRAINABLE if trainable else FROZEN, trainable_mask(specs))
+    parts = [optax.multi_transform({TRAINABLE: optax.chain(*direction), FROZEN: optax.set_to_zero()}, labels)]
     if cfg.weight_decay:
+        scales = jax.tree.map(
+            lambda s: jnp.float32(s.weight_decay_scale if s.trainable else 0.0), specs, is_leaf=_is_spec
+        )
         parts.append(scaled_weight_decay(cfg.weight_decay, scales))
     parts.append(optax.scale_by_learning_rate(schedule))
     return optax.chain(*parts), schedule

@@ -4,7 +4,17 @@ Train state (a plain dict, so every checkpoint backend can store it):
 `{"params", "opt_state", "step": int32 [], "prng_key": uint32 key data}`. The step's
 randomness is `fold_in(prng_key, step)`, and the input iterator's position is saved
 with each checkpoint, so a resumed run computes exactly what an uninterrupted one
-would have.
+would have. Parameters are stored in their `param_dtype` (float32 by default, also
+when the model computes in bfloat16), and so is the optimizer state unless the
+optimizer says otherwise.
+
+Steps run asynchronously: the host reads metrics back from the device (a "fetch")
+only every `log_every` steps and at eval, checkpoint and last steps. A fetch writes
+one metrics record (the values of that step, with `step_time` and `tokens_per_sec`
+averaged over the steps since the previous fetch), updates the progress display, and
+checks the loss and gradient norm of every step since the previous fetch: a
+non-finite one stops the run with NonFiniteLossError naming that step, before any
+checkpoint of a later state is saved.
 """
 
 from __future__ import annotations
@@ -23,13 +33,16 @@ import numpy as np
 import optax
 import yaml
 
-from axcore.data import ByteTokenizer, Split
-from axcore.errors import AxcoreError
+from axcore.data import Split
+from axcore.errors import AxcoreError, ConfigError
 from axcore.experiment import Experiment
+from axcore.kernels import op_environment
 from axcore.module import functional
-from axcore.observe import JsonlWriter, MultiWriter, ProgressBar, TensorBoardWriter, plot_loss_curve
+from axcore.observe import MultiWriter, ProgressBar, plot_loss_curve
+from axcore.observe.factories import JsonlWriterFactory
 from axcore.sharding import batch_sharding, make_mesh, parameter_shardings
-from axcore.trainer.learner import build_optimizer
+from axcore.trainer.config import make_checkpoint_backend
+from axcore.trainer.learner import apply_state_updates, build_optimizer, trainable_mask
 from axcore.trainer.sampling import sample_tokens
 
 
@@ -77,8 +90,18 @@ class Trainer:
         )
         self.mesh = make_mesh(self.cfg.mesh.mesh_shape, self.cfg.mesh.mesh_axis_names)
         self.model = self.cfg.model.instantiate(name="model", registries=experiment.registries)
+        # Tokenizes text sources and the end-of-run sample.
+        self.tokenizer = self.cfg.tokenizer.instantiate()
+        model_vocab = self.cfg.model.vocab_size if "vocab_size" in self.cfg.model.keys() else None
+        if isinstance(model_vocab, int) and self.tokenizer.vocab_size > model_vocab:
+            raise ConfigError(
+                f"The tokenizer ({type(self.tokenizer).__name__}) has {self.tokenizer.vocab_size} token ids but "
+                f"model.vocab_size is {model_vocab}; set model.vocab_size to at least {self.tokenizer.vocab_size}."
+            )
         specs = self.model.parameter_specs()
         tcfg = self.cfg.trainer
+        # Whether each parameter is trainable (a tree like the parameters, of Python bools).
+        self.trainable = trainable_mask(specs)
         self.optimizer, self.schedule = build_optimizer(tcfg.learner, specs, tcfg.max_steps)
         self.batch_sharding = batch_sharding(self.mesh)
         param_shardings = parameter_shardings(specs, self.cfg.mesh.axis_rules or {}, self.mesh)
@@ -99,14 +122,38 @@ class Trainer:
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         key_data = jax.random.key_data(jax.random.key(0))
         abstract = jax.eval_shape(self._init_state, key_data)
-        opt = optax.tree_map_params(
-            self.optimizer,
-            lambda _, sharding: sharding,
-            abstract["opt_state"],
-            param_shardings,
-            transform_non_params=lambda _: replicated,
-        )
+        opt = self._opt_state_shardings(abstract["opt_state"], abstract["params"], param_shardings, replicated)
         return {"params": param_shardings, "opt_state": opt, "step": replicated, "prng_key": replicated}
+
+    def _opt_state_shardings(self, opt_state: Any, params: Any, param_shardings: Any, replicated: Any) -> Any:
+        """Shardings of the optimizer state: a parameter's sharding for state shaped like it, else replicated.
+
+        State trees shaped like the parameter tree (all of it, or only the trainable
+        leaves, as masked optimizers keep it) are matched leaf by leaf; a leaf with its
+        parameter's shape (e.g. Adam's moments) is sharded like it, any other leaf
+        (a count, Adafactor's factored rows) is replicated.
+        """
+        pairs = list(zip(jax.tree.leaves(params), jax.tree.leaves(param_shardings), strict=True))
+        masked = jax.tree.map(lambda t, p: p if t else optax.MaskedNode(), self.trainable, params)
+        trainable = jax.tree.leaves(self.trainable)
+        like_params = {
+            jax.tree.structure(params): pairs,
+            jax.tree.structure(masked): [pair for pair, t in zip(pairs, trainable) if t],
+        }
+
+        def is_params_like(x):
+            return jax.tree.structure(x) in like_params
+
+        def assign(x):
+            if not is_params_like(x):
+                return replicated
+            leaves = [
+                sharding if leaf.shape == param.shape else replicated
+                for leaf, (param, sharding) in zip(jax.tree.leaves(x), like_params[jax.tree.structure(x)])
+            ]
+            return jax.tree.unflatten(jax.tree.structure(x), leaves)
+
+        return jax.tree.map(assign, opt_state, is_leaf=is_params_like)
 
     def abstract_state(self) -> dict:
         """The train state as ShapeDtypeStructs carrying their target shardings."""
@@ -122,30 +169,41 @@ class Trainer:
 
     # -- Steps ------------------------------------------------------------------------
 
+    def _op_environment(self):
+        """Makes the mesh and axis rules visible to the kernels of ops traced inside."""
+        return op_environment(self.mesh, self.cfg.mesh.axis_rules)
+
     def _train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
-        key = jax.random.fold_in(jax.random.wrap_key_data(state["prng_key"]), state["step"])
+        with self._op_environment():
+            key = jax.random.fold_in(jax.random.wrap_key_data(state["prng_key"]), state["step"])
 
-        def loss_fn(params):
-            (loss, metrics), collection = functional(self.model, params, (batch,), key, True)
-            return loss, (metrics, collection.summaries)
+            def loss_fn(params):
+                # Non-trainable parameters (kernel state) get no gradient.
+                params = jax.tree.map(lambda t, p: p if t else jax.lax.stop_gradient(p), self.trainable, params)
+                (loss, metrics), collection = functional(self.model, params, (batch,), key, True)
+                return loss, (metrics, collection.summaries, collection.state_updates)
 
-        (loss, (metrics, summaries)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+            (loss, (metrics, summaries, state_updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state["params"]
+            )
+            updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
+            # The optimizer never touches non-trainable leaves; their new values are the step's state updates.
+            params = jax.tree.map(lambda t, new, old: new if t else old, self.trainable, params, state["params"])
+            params = apply_state_updates(params, state_updates, self.trainable)
         new_state = dict(state, params=params, opt_state=opt_state, step=state["step"] + 1)
-        finite = jnp.isfinite(loss) & jnp.all(jnp.stack([jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(params)]))
         out = {
             "loss": loss,
             "grad_norm": optax.tree.norm(grads),
             "learning_rate": self.schedule(state["step"]),
-            "finite": finite.astype(jnp.float32),
         }
         out.update(metrics)
         out.update(_flatten_scalars(summaries, "summaries"))
         return new_state, out
 
     def _eval_step(self, params: dict, batch: dict) -> dict:
-        (_, metrics), _ = functional(self.model, params, (batch,), None, False)
+        with self._op_environment():
+            (_, metrics), _ = functional(self.model, params, (batch,), None, False)
         return {"xent_sum": metrics["cross_entropy"] * metrics["num_tokens"], "tokens": metrics["num_tokens"]}
 
     def compiled_train_step(self):
@@ -175,82 +233,103 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False), "utf-8")
         (self.run_dir / "config.txt").write_text(self.experiment.flat(), "utf-8")
 
+    def _check_finite(self, steps: list[int], checks: list[tuple[float, float]], backend) -> None:
+        """Raises NonFiniteLossError at the first step whose loss or gradient norm is not finite."""
+        for step, (loss, grad_norm) in zip(steps, checks):
+            if math.isfinite(loss) and math.isfinite(grad_norm):
+                continue
+            backend.wait()
+            latest = backend.latest_step()
+            kept = (
+                f"The last good checkpoint is step {latest} in {self.run_dir / 'checkpoints'}"
+                if latest is not None
+                else "No checkpoint was saved before it"
+            )
+            raise NonFiniteLossError(
+                f"Training diverged at step {step} (loss {loss}, gradient norm {grad_norm}); the run stopped. "
+                f"{kept}; lower trainer.learner.learning_rate or check the data."
+            )
+
     def run(self) -> TrainResult:
         tcfg = self.cfg.trainer
         self._save_config()
-        factory = self.experiment.registries.checkpoint_backends[tcfg.checkpoint.backend]
-        backend = factory(
-            self.run_dir / "checkpoints",
-            keep_last_n=tcfg.checkpoint.keep_last_n,
-            async_save=tcfg.checkpoint.async_save,
-        )
-        train_iter = self.cfg.input.make_iterator(Split.TRAIN)
-        eval_iter = self.cfg.input.make_iterator(Split.EVAL) if tcfg.eval_every else None
-        state, start = None, 0
-        if tcfg.checkpoint.resume and backend.latest_step() is not None:
-            state, metadata = backend.restore(self.abstract_state())
-            train_iter.set_state(metadata["input"])
-            start = int(state["step"])
-            print(f"Resumed from step {start} in {self.run_dir}", file=self.stream)
-        if state is None:
-            state = self.init_state()
-        train_step = self.compiled_train_step()
-        eval_step = jax.jit(self._eval_step)
-        writer = MultiWriter([JsonlWriter(self.run_dir / "metrics.jsonl"), TensorBoardWriter(self.run_dir / "tensorboard")])
-        progress = ProgressBar(tcfg.max_steps, stream=self.stream, log_every=tcfg.log_every, start_step=start)
-        tokens_per_step = self.cfg.input.batch_size * self.cfg.input.seq_len
-        train_loss = eval_loss = None
+        backend = make_checkpoint_backend(tcfg.checkpoint, self.experiment.registries, self.run_dir / "checkpoints")
+        writer = MultiWriter([])
+        progress = None
         try:
+            for writer_cfg in tcfg.metrics_writers:
+                writer.writers.append(writer_cfg.instantiate().create(self.run_dir))
+            train_iter = self.cfg.input.make_iterator(Split.TRAIN, self.tokenizer)
+            eval_iter = self.cfg.input.make_iterator(Split.EVAL, self.tokenizer) if tcfg.eval_every else None
+            state, start = None, 0
+            if tcfg.checkpoint.resume and backend.latest_step() is not None:
+                state, metadata = backend.restore(self.abstract_state())
+                train_iter.set_state(metadata["input"])
+                start = int(state["step"])
+                print(f"Resumed from step {start} in {self.run_dir}", file=self.stream)
+            if state is None:
+                state = self.init_state()
+            train_step = self.compiled_train_step()
+            eval_step = jax.jit(self._eval_step)
+            progress = ProgressBar(tcfg.max_steps, stream=self.stream, log_every=tcfg.log_every, start_step=start)
+            tokens_per_step = self.cfg.input.batch_size * self.cfg.input.seq_len
+            train_loss = eval_loss = None
+            # Loss and gradient norm (on the device) of each step since the last fetch.
+            unchecked: list[tuple[int, tuple[jax.Array, jax.Array]]] = []
+            interval_start, fetched_step = time.perf_counter(), start
             for step in range(start + 1, tcfg.max_steps + 1):
                 batch = jax.device_put(next(train_iter), self.batch_sharding)
-                t0 = time.perf_counter()
                 state, metrics = train_step(state, batch)
-                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                step_time = time.perf_counter() - t0
-                train_loss = metrics["loss"]
-                if not metrics.pop("finite"):
-                    backend.wait()
-                    what = f"loss {train_loss}" if not math.isfinite(train_loss) else "non-finite parameters"
-                    raise NonFiniteLossError(
-                        f"Training diverged at step {step} ({what}); the run stopped. The last "
-                        f"good checkpoint is step {backend.latest_step()} in {self.run_dir / 'checkpoints'}; "
-                        f"lower trainer.learner.learning_rate or check the data."
-                    )
-                record = {f"train/{k}": v for k, v in metrics.items()}
+                unchecked.append((step, (metrics["loss"], metrics["grad_norm"])))
+                last = step == tcfg.max_steps
+                evaluate = bool(tcfg.eval_every) and (step % tcfg.eval_every == 0 or last)
+                every = tcfg.checkpoint.every_n_steps
+                save = bool(every and step % every == 0) or last
+                if not (step % tcfg.log_every == 0 or evaluate or save or last):
+                    continue  # No host sync: the device runs ahead.
+                checks, metrics = jax.device_get(([c for _, c in unchecked], metrics))
+                step_time = (time.perf_counter() - interval_start) / (step - fetched_step)
+                self._check_finite([s for s, _ in unchecked], [(float(a), float(b)) for a, b in checks], backend)
+                unchecked, fetched_step = [], step
+                record = {f"train/{k}": float(v) for k, v in metrics.items()}
                 record["train/tokens_per_sec"] = tokens_per_step / step_time
                 record["train/step_time"] = step_time
-                if tcfg.eval_every and (step % tcfg.eval_every == 0 or step == tcfg.max_steps):
+                train_loss = record["train/loss"]
+                if evaluate:
                     eval_loss = self.evaluate(eval_step, state["params"], eval_iter)
                     record["eval/loss"] = eval_loss
                 writer.write(step, record)
                 progress.update(step, train_loss, tokens_per_step / step_time, step_time)
-                every = tcfg.checkpoint.every_n_steps
-                if (every and step % every == 0) or step == tcfg.max_steps:
+                if save:
                     backend.save(step, state, {"input": train_iter.state(), "step": step})
+                interval_start = time.perf_counter()  # Eval and saving do not count as step time.
             backend.wait()
         finally:
-            progress.close()
+            if progress is not None:
+                progress.close()
             writer.close()
             backend.close()
-        if (self.run_dir / "metrics.jsonl").exists():
-            plot_loss_curve(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+        metrics_file = self.run_dir / JsonlWriterFactory.FILENAME
+        if metrics_file.exists():
+            plot_loss_curve(metrics_file, self.run_dir / "loss.png")
         sample = self._sample(state["params"])
         return TrainResult(self.run_dir, int(state["step"]), train_loss, eval_loss, sample)
 
     def _sample(self, params: dict) -> str:
         scfg = self.cfg.trainer.sample
-        if scfg.num_bytes <= 0:
+        if scfg.num_tokens <= 0:
             return ""
-        tokenizer = ByteTokenizer()
-        tokens = sample_tokens(
-            self.model,
-            params,
-            tokenizer.encode(scfg.prompt),
-            scfg.num_bytes,
-            window=self.cfg.input.seq_len,
-            temperature=scfg.temperature,
-            prng_key=jax.random.key(self.cfg.trainer.seed),
-        )
+        tokenizer = self.tokenizer
+        with self._op_environment():
+            tokens = sample_tokens(
+                self.model,
+                params,
+                tokenizer.encode(scfg.prompt),
+                scfg.num_tokens,
+                window=self.cfg.input.seq_len,
+                temperature=scfg.temperature,
+                prng_key=jax.random.key(self.cfg.trainer.seed),
+            )
         text = scfg.prompt + tokenizer.decode(np.asarray(tokens))
         print(f"Sample:\n{text}", file=self.out)
         return text

@@ -14,7 +14,7 @@ from axcore.layers import CausalLM, LayerNorm, RepeatedTransformer
 def _lm():
     cfg = CausalLM.default_config().set(vocab_size=16, dim=8, num_layers=4)
     cfg.decoder.layer.self_attention.set(num_heads=2, num_kv_heads=1)
-    cfg.decoder.layer.feed_forward.set(hidden_dim=16, activation="silu", gating="gated")
+    cfg.decoder.layer.feed_forward.set(hidden_dim=16, activation="silu")
     cfg.final_norm = LayerNorm.default_config().set(eps=1e-3)
     cfg.param_dtype = "bfloat16"
     return cfg
@@ -39,7 +39,7 @@ def test_yaml_names_components_never_import_paths(registries):
     data = yaml.safe_load(text)
     assert data["type"] == "causal_lm"
     assert data["final_norm"]["type"] == "layer_norm"
-    assert data["decoder"]["layer"]["feed_forward"]["gating"] == "gated"
+    assert data["decoder"]["layer"]["feed_forward"]["activation"] == "silu"
     assert data["param_dtype"] == "bfloat16"
     assert "axcore." not in text and "klass" not in text
 

@@ -34,3 +34,13 @@ def test_invalid_utf8_is_replaced():
 def test_out_of_range_ids_are_rejected():
     with pytest.raises(ValueError, match="0..255"):
         ByteTokenizer().decode([256])
+
+
+def test_bytes_is_a_registered_configurable_tokenizer(registries):
+    from axcore.config import from_dict
+    from axcore.data import Tokenizer
+
+    assert registries.tokenizers["bytes"] is ByteTokenizer
+    tok = from_dict({"type": "bytes"}, registries).instantiate()
+    assert isinstance(tok, Tokenizer) and isinstance(tok, ByteTokenizer)
+    assert tok.encode("hé").tolist() == [104, 195, 169] and tok.decode([104, 195, 169]) == "hé"

@@ -9,7 +9,7 @@ import pytest
 
 import axcore
 from axcore.errors import DuplicateComponentError, UnknownComponentError
-from axcore.kernels import ATTENTION_OP, SUPPORTED, AttentionProblem, KernelRegistry, Support, XlaAttention
+from axcore.kernels import ATTENTION, SUPPORTED, AttentionProblem, KernelRegistry, Support, XlaAttention
 from axcore.layers import MultiheadAttention
 from axcore.registry import Provenance
 
@@ -30,9 +30,9 @@ class FakeKernel:
         self.problems.append(problem)
         return self.support
 
-    def __call__(self, q, k, v, *, causal, bias, kv_mask, scale):
-        self.calls.append({"causal": causal, "bias": bias, "kv_mask": kv_mask, "scale": scale})
-        return 2.0 * XlaAttention()(q, k, v, causal=causal, bias=bias, kv_mask=kv_mask, scale=scale)
+    def __call__(self, problem, q, k, v, **inputs):
+        self.calls.append({"problem": problem, **inputs})
+        return 2.0 * XlaAttention()(problem, q, k, v, **inputs)
 
 
 class KernelPlugin:
@@ -54,7 +54,7 @@ def _registries(*kernels, override=False):
 def _problem(num_heads=HEADS, num_kv_heads=HEADS):
     q = np.zeros((2, 6, num_heads, 4), np.float32)
     k = np.zeros((2, 6, num_kv_heads, 4), np.float32)
-    return AttentionProblem.of(q, k, causal=True, bias=None, kv_mask=None)
+    return AttentionProblem.of(q, k, causal=True)
 
 
 def _attention(registries, **kw):
@@ -88,23 +88,23 @@ def _run(layer, params, inputs):
 
 def test_builtin_registries_have_only_the_xla_attention_kernel():
     registries = axcore.create_plugin_manager().registries
-    assert [k.name for k in registries.kernels.candidates(ATTENTION_OP)] == ["xla"]
-    assert registries.kernels.select(ATTENTION_OP, _problem()).name == "xla"
+    assert [k.name for k in registries.kernels.candidates(ATTENTION)] == ["xla"]
+    assert registries.kernels.select(ATTENTION, _problem()).name == "xla"
 
 
 def test_higher_priority_supported_kernel_is_selected_and_used_by_the_layer():
     fake = FakeKernel(priority=10)
     registries = _registries(fake)
-    assert [k.name for k in registries.kernels.candidates(ATTENTION_OP)] == ["fake", "xla"]
-    assert registries.kernels.select(ATTENTION_OP, _problem()) is fake
+    assert [k.name for k in registries.kernels.candidates(ATTENTION)] == ["fake", "xla"]
+    assert registries.kernels.select(ATTENTION, _problem()) is fake
     layer, params = _attention(registries)
     x = _x()
     out = _run(layer, params, (x,))
     np.testing.assert_allclose(out, 2.0 * np_reference_layer(params, x), rtol=1e-5, atol=1e-5)
     assert len(fake.calls) == 1
     call = fake.calls[0]
-    assert call["causal"] is True and call["bias"] is None and call["kv_mask"] is None
-    assert call["scale"] == pytest.approx(1 / math.sqrt(DIM // HEADS))
+    assert call["problem"].causal is True and not call["problem"].has_bias and "kv_mask" not in call
+    assert call["problem"].scale == pytest.approx(1 / math.sqrt(DIM // HEADS))
 
 
 def test_kernel_sees_the_layers_problem():
@@ -123,10 +123,10 @@ def test_declining_kernel_falls_back_to_xla_and_logs_why(caplog):
     fake = FakeKernel(priority=10, support=Support(False, "head_dim too small for the fake"))
     registries = _registries(fake)
     with caplog.at_level(logging.INFO, logger="axcore.kernels.registry"):
-        assert registries.kernels.select(ATTENTION_OP, _problem()).name == "xla"
+        assert registries.kernels.select(ATTENTION, _problem()).name == "xla"
     assert "head_dim too small for the fake" in caplog.text
     with caplog.at_level(logging.INFO, logger="axcore.kernels.registry"):
-        registries.kernels.select(ATTENTION_OP, _problem())  # Same reason again: not logged twice.
+        registries.kernels.select(ATTENTION, _problem())  # Same reason again: not logged twice.
     assert caplog.text.count("head_dim too small for the fake") == 1
     layer, params = _attention(registries)
     x = _x()
@@ -137,8 +137,8 @@ def test_declining_kernel_falls_back_to_xla_and_logs_why(caplog):
 def test_lower_priority_kernel_loses_to_xla():
     fake = FakeKernel(priority=-1)
     registries = _registries(fake)
-    assert [k.name for k in registries.kernels.candidates(ATTENTION_OP)] == ["xla", "fake"]
-    assert registries.kernels.select(ATTENTION_OP, _problem()).name == "xla"
+    assert [k.name for k in registries.kernels.candidates(ATTENTION)] == ["xla", "fake"]
+    assert registries.kernels.select(ATTENTION, _problem()).name == "xla"
 
 
 @pytest.mark.parametrize("order", [("alpha", "beta"), ("beta", "alpha")])
@@ -148,13 +148,13 @@ def test_priority_ties_are_broken_by_name_not_registration_order(order):
         list(order), objects={name: KernelPlugin(kernel) for name, kernel in kernels.items()}
     )
     registries = pm.registries
-    assert [k.name for k in registries.kernels.candidates(ATTENTION_OP)] == ["alpha", "beta", "xla"]
-    assert registries.kernels.select(ATTENTION_OP, _problem()) is kernels["alpha"]
+    assert [k.name for k in registries.kernels.candidates(ATTENTION)] == ["alpha", "beta", "xla"]
+    assert registries.kernels.select(ATTENTION, _problem()) is kernels["alpha"]
     # Same with a bare registry, registering in the given order.
     registry = KernelRegistry()
     for name in order:
-        registry.register(ATTENTION_OP, kernels[name], Provenance("test", "test"))
-    assert registry.select(ATTENTION_OP, _problem()).name == "alpha"
+        registry.register(ATTENTION, kernels[name], Provenance("test", "test"))
+    assert registry.select(ATTENTION, _problem()).name == "alpha"
 
 
 # -- Requesting a kernel by name ---------------------------------------------------------------
@@ -181,7 +181,7 @@ def test_requested_kernel_that_declines_raises_kernel_not_supported():
     fake = FakeKernel(support=Support(False, "no causal support"))
     registries = _registries(fake)
     with pytest.raises(axcore.KernelNotSupportedError, match="no causal support"):
-        registries.kernels.select(ATTENTION_OP, _problem(), requested="fake")
+        registries.kernels.select(ATTENTION, _problem(), requested="fake")
     layer, params = _attention(registries, kernel="fake")
     with pytest.raises(axcore.KernelNotSupportedError, match="fake"):
         _run(layer, params, (_x(),))
@@ -191,20 +191,22 @@ def test_requested_kernel_that_declines_raises_kernel_not_supported():
 def test_requesting_an_unknown_kernel_or_op_raises_unknown_component():
     registries = _registries(FakeKernel())
     with pytest.raises(UnknownComponentError, match="flash"):
-        registries.kernels.select(ATTENTION_OP, _problem(), requested="flash")
+        registries.kernels.select(ATTENTION, _problem(), requested="flash")
     with pytest.raises(UnknownComponentError, match="rms_norm"):
         registries.kernels.select("rms_norm", _problem())
     with pytest.raises(UnknownComponentError, match="rms_norm"):
         registries.kernels.select("rms_norm", _problem(), requested="xla")
+    with pytest.raises(TypeError, match="AttentionProblem"):
+        registries.kernels.select("dot", _problem())
 
 
 def test_no_supporting_kernel_raises_with_every_reason():
     registry = KernelRegistry()
     for name, reason in [("a", "reason A"), ("b", "reason B")]:
-        registry.register(ATTENTION_OP, FakeKernel(name, 1, Support(False, reason)), Provenance("t", "t"))
-    with pytest.raises(axcore.KernelNotSupportedError) as info:
-        registry.select(ATTENTION_OP, _problem())
-    assert "reason A" in str(info.value) and "reason B" in str(info.value)
+        registry.register(ATTENTION, FakeKernel(name, 1, Support(False, reason)), Provenance("t", "t"))
+    with pytest.raises(axcore.KernelNotSupportedError) as info:  # The reference declines 3 heads over 2 kv heads.
+        registry.select(ATTENTION, _problem(num_heads=3, num_kv_heads=2))
+    assert "reason A" in str(info.value) and "reason B" in str(info.value) and "multiple" in str(info.value)
 
 
 # -- Registration --------------------------------------------------------------------------
@@ -215,7 +217,7 @@ def test_kernel_named_like_a_builtin_needs_override():
         _registries(FakeKernel(name="xla", priority=0))
     replacement = FakeKernel(name="xla", priority=0)
     registries = _registries(replacement, override=True)
-    assert registries.kernels.select(ATTENTION_OP, _problem()) is replacement
+    assert registries.kernels.select(ATTENTION, _problem()) is replacement
 
 
 def test_object_without_kernel_interface_is_rejected():

@@ -45,9 +45,9 @@ def np_mha_layer(params, x, *, causal=False, kv_mask=None, scale=None, q_fn=None
     return np.einsum("btnh,nhd->btd", out, p["wo"])
 
 
-def _layer(**kw):
+def _layer(registries, **kw):
     cfg = MultiheadAttention.default_config().set(input_dim=16, num_heads=4, **kw)
-    layer = cfg.instantiate(name="attn")
+    layer = cfg.instantiate(name="attn", registries=registries)
     return layer, layer.initialize(jax.random.key(0))
 
 
@@ -60,17 +60,17 @@ def _run(layer, params, inputs):
     return out
 
 
-def _gqa_layer(num_kv_heads, causal=False):
+def _gqa_layer(registries, num_kv_heads, causal=False):
     # head_dim 4 is set explicitly (the default would be 16 // 8 = 2).
     cfg = MultiheadAttention.default_config().set(
         input_dim=16, num_heads=8, num_kv_heads=num_kv_heads, head_dim=4, causal=causal
     )
-    layer = cfg.instantiate(name="attn")
+    layer = cfg.instantiate(name="attn", registries=registries)
     return layer, layer.initialize(jax.random.key(2))
 
 
-def test_param_shapes_follow_heads_kv_heads_and_head_dim():
-    layer, params = _gqa_layer(num_kv_heads=2)
+def test_param_shapes_follow_heads_kv_heads_and_head_dim(registries):
+    layer, params = _gqa_layer(registries, num_kv_heads=2)
     assert params["wq"].shape == (16, 8, 4)
     assert params["wk"].shape == params["wv"].shape == (16, 2, 4)
     assert params["wo"].shape == (8, 4, 16)
@@ -82,16 +82,16 @@ def test_param_shapes_follow_heads_kv_heads_and_head_dim():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_mha_matches_numpy(causal):
-    layer, params = _layer(causal=causal)
+def test_mha_matches_numpy(causal, registries):
+    layer, params = _layer(registries, causal=causal)
     x = _x()
     out = _run(layer, params, (x,))
     np.testing.assert_allclose(out, np_mha_layer(params, x, causal=causal), rtol=RTOL, atol=ATOL)
 
 
-def test_causal_and_non_causal_differ_except_on_the_last_query():
-    causal, params = _layer(causal=True)
-    full, _ = _layer(causal=False)
+def test_causal_and_non_causal_differ_except_on_the_last_query(registries):
+    causal, params = _layer(registries, causal=True)
+    full, _ = _layer(registries, causal=False)
     x = _x()
     a, b = np.asarray(_run(causal, params, (x,))), np.asarray(_run(full, params, (x,)))
     assert not np.allclose(a[:, :-1], b[:, :-1], atol=1e-3)
@@ -99,8 +99,8 @@ def test_causal_and_non_causal_differ_except_on_the_last_query():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_kv_padding_mask_matches_numpy(causal):
-    layer, params = _layer(causal=causal)
+def test_kv_padding_mask_matches_numpy(causal, registries):
+    layer, params = _layer(registries, causal=causal)
     x = _x()
     kv_mask = np.array([[True] * 6, [True, True, True, True, False, False]])
     out = _run(layer, params, ({"x": x, "kv_mask": kv_mask}))
@@ -115,8 +115,8 @@ def test_kv_padding_mask_matches_numpy(causal):
 
 @pytest.mark.parametrize("num_kv_heads", [2, 1])
 @pytest.mark.parametrize("causal", [False, True])
-def test_grouped_query_attention_equals_mha_with_repeated_kv_heads(num_kv_heads, causal):
-    layer, params = _gqa_layer(num_kv_heads, causal)
+def test_grouped_query_attention_equals_mha_with_repeated_kv_heads(num_kv_heads, causal, registries):
+    layer, params = _gqa_layer(registries, num_kv_heads, causal)
     assert params["wk"].shape == (16, num_kv_heads, 4)
     x = _x(seed=3)
     kv_mask = np.array([[True] * 6, [True] * 5 + [False]])
@@ -128,9 +128,9 @@ def test_grouped_query_attention_equals_mha_with_repeated_kv_heads(num_kv_heads,
     )
 
 
-def test_gqa_head_assignment_is_contiguous_not_interleaved():
+def test_gqa_head_assignment_is_contiguous_not_interleaved(registries):
     """Query head n must use kv head n // group (not n % num_kv_heads)."""
-    layer, params = _gqa_layer(num_kv_heads=2)
+    layer, params = _gqa_layer(registries, num_kv_heads=2)
     x = _x(seed=5)
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     interleaved = dict(p, wk=np.tile(p["wk"], (1, 4, 1)), wv=np.tile(p["wv"], (1, 4, 1)))
@@ -142,14 +142,14 @@ def test_gqa_head_assignment_is_contiguous_not_interleaved():
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 3), (4, 3), (2, 4)])
-def test_num_heads_not_multiple_of_kv_heads_is_config_error(num_heads, num_kv_heads):
+def test_num_heads_not_multiple_of_kv_heads_is_config_error(num_heads, num_kv_heads, registries):
     cfg = MultiheadAttention.default_config().set(input_dim=16, num_heads=num_heads, num_kv_heads=num_kv_heads)
     with pytest.raises(axcore.ConfigError, match="multiple"):
-        cfg.instantiate(name="attn")
+        cfg.instantiate(name="attn", registries=registries)
 
 
-def test_explicit_softmax_scale():
-    layer, params = _layer(scale=0.3, causal=True)
+def test_explicit_softmax_scale(registries):
+    layer, params = _layer(registries, scale=0.3, causal=True)
     x = _x()
     out = _run(layer, params, (x,))
     np.testing.assert_allclose(out, np_mha_layer(params, x, causal=True, scale=0.3), rtol=RTOL, atol=ATOL)
@@ -168,8 +168,8 @@ class _ToyRelativePosition(PositionEmbedding):
         return (-0.5 * dist)[:, None]
 
 
-def test_position_embedding_slot_transforms_qk_and_adds_bias():
-    layer, params = _layer(position_embedding=_ToyRelativePosition.default_config())
+def test_position_embedding_slot_transforms_qk_and_adds_bias(registries):
+    layer, params = _layer(registries, position_embedding=_ToyRelativePosition.default_config())
     assert layer.position_embedding.config.dim == 4 and layer.position_embedding.config.num_heads == 4
     x = _x()
     positions = np.array([[0, 1, 2, 3, 4, 5], [3, 5, 6, 9, 10, 11]])

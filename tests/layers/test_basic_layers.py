@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import axcore
+from axcore.errors import ConfigError
 from axcore.layers import Embedding, LayerNorm, Linear, RMSNorm
 
 RTOL = ATOL = 1e-5
@@ -29,8 +30,8 @@ def _x(shape, seed=1):
 # -- Linear ------------------------------------------------------------------------------
 
 
-def test_linear_with_bias_matches_numpy_affine_map():
-    layer = Linear.default_config().set(input_dim=16, output_dim=32).instantiate(name="layer")
+def test_linear_with_bias_matches_numpy_affine_map(registries):
+    layer = Linear.default_config().set(input_dim=16, output_dim=32).instantiate(name="layer", registries=registries)
     params = _perturb(layer.initialize(jax.random.key(0)), seed=1)
     assert set(params) == {"weight", "bias"}
     x = _x((2, 5, 16))
@@ -39,8 +40,9 @@ def test_linear_with_bias_matches_numpy_affine_map():
     np.testing.assert_allclose(_run(layer, params, (x,)), expected, rtol=RTOL, atol=ATOL)
 
 
-def test_linear_without_bias_has_no_bias_param_and_is_linear():
-    layer = Linear.default_config().set(input_dim=16, output_dim=32, bias=False).instantiate(name="layer")
+def test_linear_without_bias_has_no_bias_param_and_is_linear(registries):
+    cfg = Linear.default_config().set(input_dim=16, output_dim=32, bias=False)
+    layer = cfg.instantiate(name="layer", registries=registries)
     params = layer.initialize(jax.random.key(0))
     assert set(params) == {"weight"}
     assert params["weight"].shape == (16, 32)
@@ -49,8 +51,8 @@ def test_linear_without_bias_has_no_bias_param_and_is_linear():
     np.testing.assert_allclose(_run(layer, params, (x,)), expected, rtol=RTOL, atol=ATOL)
 
 
-def test_linear_bias_is_initialized_to_zero_and_weight_is_random():
-    layer = Linear.default_config().set(input_dim=16, output_dim=32).instantiate(name="layer")
+def test_linear_bias_is_initialized_to_zero_and_weight_is_random(registries):
+    layer = Linear.default_config().set(input_dim=16, output_dim=32).instantiate(name="layer", registries=registries)
     params = layer.initialize(jax.random.key(3))
     np.testing.assert_array_equal(params["bias"], np.zeros(32, np.float32))
     assert np.std(np.asarray(params["weight"])) > 0.05
@@ -59,8 +61,8 @@ def test_linear_bias_is_initialized_to_zero_and_weight_is_random():
 # -- Embedding ---------------------------------------------------------------------------
 
 
-def test_embedding_forward_is_a_row_lookup():
-    layer = Embedding.default_config().set(num_embeddings=32, dim=16).instantiate(name="emb")
+def test_embedding_forward_is_a_row_lookup(registries):
+    layer = Embedding.default_config().set(num_embeddings=32, dim=16).instantiate(name="emb", registries=registries)
     params = layer.initialize(jax.random.key(0))
     ids = np.array([[0, 3, 31], [7, 7, 1]], np.int32)
     table = np.asarray(params["weight"])
@@ -69,14 +71,18 @@ def test_embedding_forward_is_a_row_lookup():
     np.testing.assert_array_equal(out, table[ids])
 
 
-def test_embedding_attend_is_x_times_table_transposed():
-    layer = Embedding.default_config().set(num_embeddings=32, dim=16).instantiate(name="emb")
+def test_embedding_attend_is_x_times_table_transposed(registries):
+    cfg = Embedding.default_config().set(num_embeddings=32, dim=16)
+    layer = cfg.clone(tied_head=True).instantiate(name="emb", registries=registries)
     params = layer.initialize(jax.random.key(0))
     x = _x((2, 3, 16))
     expected = x.astype(np.float64) @ np.asarray(params["weight"], np.float64).T
     out = _run(layer, params, (x,), method="attend")
-    assert out.shape == (2, 3, 32)
+    assert out.shape == (2, 3, 32) and out.dtype == np.float32
     np.testing.assert_allclose(out, expected, rtol=RTOL, atol=ATOL)
+    untied = cfg.instantiate(name="emb", registries=registries)  # No output-head site declared: attend refuses.
+    with pytest.raises(ConfigError, match="tied_head"):
+        _run(untied, params, (x,), method="attend")
 
 
 # -- Norms -------------------------------------------------------------------------------
@@ -95,8 +101,8 @@ def _np_layer_norm(x, scale, bias, eps):
 
 
 @pytest.mark.parametrize("eps", [1e-6, 0.5])
-def test_rms_norm_matches_numpy(eps):
-    layer = RMSNorm.default_config().set(input_dim=16, eps=eps).instantiate(name="norm")
+def test_rms_norm_matches_numpy(eps, registries):
+    layer = RMSNorm.default_config().set(input_dim=16, eps=eps).instantiate(name="norm", registries=registries)
     params = layer.initialize(jax.random.key(0))
     np.testing.assert_array_equal(params["scale"], np.ones(16, np.float32))
     params = _perturb(params, seed=2)
@@ -105,8 +111,8 @@ def test_rms_norm_matches_numpy(eps):
     np.testing.assert_allclose(_run(layer, params, (x,)), expected, rtol=RTOL, atol=ATOL)
 
 
-def test_rms_norm_keeps_bfloat16_input_dtype():
-    layer = RMSNorm.default_config().set(input_dim=16).instantiate(name="norm")
+def test_rms_norm_keeps_bfloat16_input_dtype(registries):
+    layer = RMSNorm.default_config().set(input_dim=16).instantiate(name="norm", registries=registries)
     params = layer.initialize(jax.random.key(0))
     x = jnp.asarray(_x((3, 16)), jnp.bfloat16)
     out = _run(layer, params, (x,))
@@ -116,8 +122,8 @@ def test_rms_norm_keeps_bfloat16_input_dtype():
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_layer_norm_matches_numpy(bias):
-    layer = LayerNorm.default_config().set(input_dim=16, bias=bias).instantiate(name="norm")
+def test_layer_norm_matches_numpy(bias, registries):
+    layer = LayerNorm.default_config().set(input_dim=16, bias=bias).instantiate(name="norm", registries=registries)
     params = layer.initialize(jax.random.key(0))
     assert set(params) == ({"scale", "bias"} if bias else {"scale"})
     params = _perturb(params, seed=3)
@@ -130,14 +136,14 @@ def test_layer_norm_matches_numpy(bias):
 # -- Specs, weight decay, dtypes -----------------------------------------------------------
 
 
-def test_weight_decay_scale_is_zero_for_biases_and_norm_scales_and_one_for_weights():
+def test_weight_decay_scale_is_zero_for_biases_and_norm_scales_and_one_for_weights(registries):
     from axcore.layers import TransformerLayer
 
     cfg = TransformerLayer.default_config().set(input_dim=8, norm=LayerNorm.default_config())
     cfg.self_attention.num_heads = 2
     cfg.feed_forward.hidden_dim = 16
     cfg.feed_forward.linear.bias = True
-    specs = cfg.instantiate(name="layer").parameter_specs()
+    specs = cfg.instantiate(name="layer", registries=registries).parameter_specs()
     flat = {jax.tree_util.keystr(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(specs)}
     decays = {path: spec.weight_decay_scale for path, spec in flat.items()}
     for path, decay in decays.items():
@@ -159,9 +165,9 @@ def _layer_cfgs(param_dtype):
 
 
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
-def test_abstract_parameters_match_initialized_shapes_and_dtypes(param_dtype):
+def test_abstract_parameters_match_initialized_shapes_and_dtypes(param_dtype, registries):
     for cfg in _layer_cfgs(param_dtype):
-        layer = cfg.instantiate(name="layer")
+        layer = cfg.instantiate(name="layer", registries=registries)
         abstract = layer.abstract_parameters()
         concrete = layer.initialize(jax.random.key(0))
         assert jax.tree.structure(abstract) == jax.tree.structure(concrete)
@@ -175,9 +181,12 @@ def test_abstract_parameters_match_initialized_shapes_and_dtypes(param_dtype):
             assert spec.shape == c.shape
 
 
-def test_bfloat16_linear_computes_in_input_dtype():
-    layer = Linear.default_config().set(input_dim=16, output_dim=32, param_dtype="bfloat16").instantiate(name="l")
+def test_bfloat16_params_compute_in_the_compute_dtype(registries):
+    # bfloat16 storage alone: the weight is cast to the (inherited, float32) compute dtype.
+    layer = Linear.default_config().set(input_dim=16, output_dim=32, param_dtype="bfloat16")
+    layer = layer.instantiate(name="l", registries=registries)
     params = layer.initialize(jax.random.key(0))
+    assert params["weight"].dtype == jnp.bfloat16
     x = _x((5, 16))
     out = _run(layer, params, (x,))
     assert out.dtype == jnp.float32
@@ -185,17 +194,31 @@ def test_bfloat16_linear_computes_in_input_dtype():
     np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=RTOL, atol=ATOL)
 
 
-def test_parameter_specs_of_huge_layers_allocate_nothing():
+def test_bfloat16_compute_dtype_linear_computes_and_returns_bfloat16(registries):
+    cfg = Linear.default_config().set(input_dim=16, output_dim=32, param_dtype="bfloat16", compute_dtype="bfloat16")
+    layer = cfg.instantiate(name="l", registries=registries)
+    params = layer.initialize(jax.random.key(0))
+    x = _x((5, 16))
+    out = _run(layer, params, (x,))
+    assert out.dtype == jnp.bfloat16  # Output dtype == compute dtype.
+    # Both operands are rounded to bfloat16 before the matmul.
+    x16 = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+    w = np.asarray(params["weight"].astype(jnp.float32), np.float64)
+    np.testing.assert_allclose(np.asarray(out, np.float64), x16 @ w, rtol=2e-2, atol=2e-2)
+
+
+def test_parameter_specs_of_huge_layers_allocate_nothing(registries):
     # 400 GB of float32 if it were materialized.
-    layer = Embedding.default_config().set(num_embeddings=1_000_000, dim=100_000).instantiate(name="emb")
+    cfg = Embedding.default_config().set(num_embeddings=1_000_000, dim=100_000)
+    layer = cfg.instantiate(name="emb", registries=registries)
     abstract = layer.abstract_parameters()
     assert abstract["weight"].shape == (1_000_000, 100_000)
     assert abstract["weight"].dtype == jnp.float32
     assert layer.parameter_specs()["weight"].mesh_axes == ("vocab", "embed")
 
 
-def test_initialize_is_deterministic_per_key_and_differs_across_keys():
-    layer = Linear.default_config().set(input_dim=16, output_dim=32).instantiate(name="layer")
+def test_initialize_is_deterministic_per_key_and_differs_across_keys(registries):
+    layer = Linear.default_config().set(input_dim=16, output_dim=32).instantiate(name="layer", registries=registries)
     a = layer.initialize(jax.random.key(0))["weight"]
     b = layer.initialize(jax.random.key(0))["weight"]
     c = layer.initialize(jax.random.key(1))["weight"]

@@ -75,8 +75,8 @@ def _cfg(**kw):
     return cfg
 
 
-def _model(**kw):
-    model = _cfg(**kw).instantiate(name="lm")
+def _model(registries, **kw):
+    model = _cfg(**kw).instantiate(name="lm", registries=registries)
     return model, model.initialize(jax.random.key(0))
 
 
@@ -124,15 +124,15 @@ def test_cross_entropy_with_zero_weights_is_zero_not_nan():
 # -- CausalLM --------------------------------------------------------------------------------
 
 
-def test_default_config_makes_attention_causal():
-    model = _cfg().instantiate(name="lm")
+def test_default_config_makes_attention_causal(registries):
+    model = _cfg().instantiate(name="lm", registries=registries)
     assert model.decoder.layer0.self_attention.config.causal
     assert model.decoder.layer1.self_attention.config.causal
 
 
 @pytest.mark.parametrize("z_loss_scale", [0.0, 0.01])
-def test_loss_is_cross_entropy_of_logits_with_negative_labels_ignored(z_loss_scale):
-    model, params = _model(z_loss_scale=z_loss_scale)
+def test_loss_is_cross_entropy_of_logits_with_negative_labels_ignored(z_loss_scale, registries):
+    model, params = _model(registries, z_loss_scale=z_loss_scale)
     ids, labels = _batch()
     labels[1, 3:] = -1
     loss, metrics = _loss(model, params, {"input_ids": ids, "target_labels": labels})
@@ -145,8 +145,8 @@ def test_loss_is_cross_entropy_of_logits_with_negative_labels_ignored(z_loss_sca
     assert float(metrics["aux_loss"]) == 0.0
 
 
-def test_explicit_target_weights_are_used():
-    model, params = _model()
+def test_explicit_target_weights_are_used(registries):
+    model, params = _model(registries)
     ids, labels = _batch(1)
     weights = np.random.default_rng(1).uniform(size=labels.shape).astype(np.float32)
     loss, _ = _loss(model, params, {"input_ids": ids, "target_labels": labels, "target_weights": weights})
@@ -154,8 +154,8 @@ def test_explicit_target_weights_are_used():
     np.testing.assert_allclose(loss, ref, rtol=1e-5)
 
 
-def test_tied_head_logits_equal_independent_forward_times_embedding_transpose():
-    model, params = _model(lm_head=None)
+def test_tied_head_logits_equal_independent_forward_times_embedding_transpose(registries):
+    model, params = _model(registries, lm_head=None)
     assert "lm_head" not in params
     ids, _ = _batch(2)
     hidden = np_lm_hidden(params, ids)
@@ -163,16 +163,16 @@ def test_tied_head_logits_equal_independent_forward_times_embedding_transpose():
     np.testing.assert_allclose(_logits(model, params, ids), expected, rtol=1e-4, atol=1e-5)
 
 
-def test_untied_head_logits_use_lm_head_weight():
-    model, params = _model()
+def test_untied_head_logits_use_lm_head_weight(registries):
+    model, params = _model(registries)
     assert params["lm_head"]["weight"].shape == (DIM, VOCAB)
     ids, _ = _batch(3)
     expected = np_lm_hidden(params, ids) @ np.asarray(params["lm_head"]["weight"], np.float64)
     np.testing.assert_allclose(_logits(model, params, ids), expected, rtol=1e-4, atol=1e-5)
 
 
-def test_future_tokens_do_not_change_earlier_logits():
-    model, params = _model()
+def test_future_tokens_do_not_change_earlier_logits(registries):
+    model, params = _model(registries)
     ids, _ = _batch(4)
     changed = ids.copy()
     changed[:, -1] = (ids[:, -1] + 1) % VOCAB
@@ -181,7 +181,7 @@ def test_future_tokens_do_not_change_earlier_logits():
     assert not np.allclose(a[:, -1], b[:, -1], atol=1e-4)
 
 
-def test_lm_refuses_a_non_causal_decoder():
+def test_lm_refuses_a_non_causal_decoder(registries):
     """Switching the decoder to a scan (as `decoder: {type: repeated_transformer}` in YAML
     does) starts from non-causal defaults; the LM must refuse rather than see the future."""
     cfg = _cfg()
@@ -190,10 +190,10 @@ def test_lm_refuses_a_non_causal_decoder():
     layer.feed_forward.hidden_dim = HIDDEN
     cfg.decoder = RepeatedTransformer.default_config().set(layer=layer)
     with pytest.raises(axcore.ConfigError, match=r"decoder\.layer\.self_attention.*set causal: true"):
-        cfg.instantiate(name="lm")
+        cfg.instantiate(name="lm", registries=registries)
     layer.self_attention.causal = True
     cfg.decoder = RepeatedTransformer.default_config().set(layer=layer)
-    cfg.instantiate(name="lm")
+    cfg.instantiate(name="lm", registries=registries)
 
 
 AUX = 0.25
@@ -208,8 +208,8 @@ class AuxFeedForward(FeedForward):
 
 
 @pytest.mark.parametrize("decoder", ["stacked", "repeated"])
-def test_descendant_aux_losses_are_added_to_the_loss(decoder):
-    model, params = _model()
+def test_descendant_aux_losses_are_added_to_the_loss(decoder, registries):
+    model, params = _model(registries)
     ids, labels = _batch(5)
     batch = {"input_ids": ids, "target_labels": labels}
     # Baseline: the plain stacked model (a repeated decoder gives the same numbers for
@@ -222,7 +222,7 @@ def test_descendant_aux_losses_are_added_to_the_loss(decoder):
         stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(a) for a in xs]), *layers)
         params = dict(params, decoder={"layer": stacked})
     aux_cfg.decoder.layer.feed_forward = AuxFeedForward.default_config().set(hidden_dim=HIDDEN)
-    aux_model = aux_cfg.instantiate(name="lm")
+    aux_model = aux_cfg.instantiate(name="lm", registries=registries)
     with_aux, metrics = _loss(aux_model, params, batch)
     np.testing.assert_allclose(float(with_aux) - float(base), LAYERS * AUX, rtol=1e-4)
     np.testing.assert_allclose(metrics["aux_loss"], LAYERS * AUX, rtol=1e-6)
@@ -230,8 +230,8 @@ def test_descendant_aux_losses_are_added_to_the_loss(decoder):
     np.testing.assert_allclose(metrics["cross_entropy"], base, rtol=1e-5)
 
 
-def test_loss_under_jit_and_grad():
-    model, params = _model()
+def test_loss_under_jit_and_grad(registries):
+    model, params = _model(registries)
     ids, labels = _batch(6)
     batch = {"input_ids": ids, "target_labels": labels}
 

@@ -18,9 +18,10 @@ BOUND_IN_STDS = {
 }
 
 
-def _linear_weight(param_init, seed=0):
+def _linear_weight(registries, param_init, seed=0):
     cfg = Linear.default_config().set(input_dim=FAN_IN, output_dim=FAN_OUT, bias=False, param_init=param_init)
-    return np.asarray(cfg.instantiate(name="layer").initialize(jax.random.key(seed))["weight"], np.float64)
+    layer = cfg.instantiate(name="layer", registries=registries)
+    return np.asarray(layer.initialize(jax.random.key(seed))["weight"], np.float64)
 
 
 FAN_VALUES = {FanMode.FAN_IN: FAN_IN, FanMode.FAN_OUT: FAN_OUT, FanMode.FAN_AVG: (FAN_IN + FAN_OUT) / 2}
@@ -36,9 +37,9 @@ FAN_VALUES = {FanMode.FAN_IN: FAN_IN, FanMode.FAN_OUT: FAN_OUT, FanMode.FAN_AVG:
         (Distribution.UNIFORM, FanMode.FAN_AVG),
     ],
 )
-def test_linear_weight_std_is_scale_over_sqrt_fan_with_the_distributions_range(distribution, fan):
+def test_linear_weight_std_is_scale_over_sqrt_fan_with_the_distributions_range(distribution, fan, registries):
     scale = 2.0
-    w = _linear_weight(ParamInit(distribution=distribution, scale=scale, fan=fan))
+    w = _linear_weight(registries, ParamInit(distribution=distribution, scale=scale, fan=fan))
     std = scale / math.sqrt(FAN_VALUES[fan])
     assert w.shape == (FAN_IN, FAN_OUT)
     assert abs(w.mean()) < 0.02 * std
@@ -54,25 +55,26 @@ def test_linear_weight_std_is_scale_over_sqrt_fan_with_the_distributions_range(d
         assert max_in_stds > 0.98 * bound
 
 
-def test_fan_none_uses_scale_as_std():
-    w = _linear_weight(ParamInit(scale=0.3, fan=FanMode.NONE))
+def test_fan_none_uses_scale_as_std(registries):
+    w = _linear_weight(registries, ParamInit(scale=0.3, fan=FanMode.NONE))
     assert w.std() == pytest.approx(0.3, rel=0.05)
 
 
-def test_embedding_default_std_is_one_over_sqrt_dim():
+def test_embedding_default_std_is_one_over_sqrt_dim(registries):
     cfg = Embedding.default_config().set(num_embeddings=2048, dim=16)
-    w = np.asarray(cfg.instantiate(name="emb").initialize(jax.random.key(0))["weight"], np.float64)
+    layer = cfg.instantiate(name="emb", registries=registries)
+    w = np.asarray(layer.initialize(jax.random.key(0))["weight"], np.float64)
     assert w.std() == pytest.approx(1 / 4, rel=0.05)
 
 
-def test_attention_projection_fans_span_several_axes():
+def test_attention_projection_fans_span_several_axes(registries):
     # wq [dim, heads, head_dim]: fan_out = heads * head_dim = 64; wo [heads, head_dim, dim]:
     # fan_in = 64. With fan_avg both have fan (256 + 64) / 2 = 160; using only one of the
     # head axes (4 or 16) would give 130 or 136.
     cfg = MultiheadAttention.default_config().set(
         input_dim=256, num_heads=4, head_dim=16, param_init=ParamInit(fan=FanMode.FAN_AVG)
     )
-    params = cfg.instantiate(name="attn").initialize(jax.random.key(0))
+    params = cfg.instantiate(name="attn", registries=registries).initialize(jax.random.key(0))
     for name in ("wq", "wk", "wv", "wo"):
         assert np.std(params[name]) == pytest.approx(1 / math.sqrt(160), rel=0.04), name
 

@@ -9,9 +9,10 @@ import axcore
 from axcore.layers import LearnedPositionEmbedding, PositionEmbedding
 
 
-def _learned(max_len=2048, dim=16):
+def _learned(registries, max_len=2048, dim=16):
     # (2048, 16) is also the CausalLM tests' table: its initializer compiles once.
-    layer = LearnedPositionEmbedding.default_config().set(max_len=max_len, dim=dim).instantiate(name="pos")
+    cfg = LearnedPositionEmbedding.default_config().set(max_len=max_len, dim=dim)
+    layer = cfg.instantiate(name="pos", registries=registries)
     return layer, layer.initialize(jax.random.key(0))
 
 
@@ -26,15 +27,15 @@ def _x(shape=(2, 5, 16), seed=1):
     return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
 
 
-def test_learned_table_shape_and_axes():
-    layer, params = _learned()
+def test_learned_table_shape_and_axes(registries):
+    layer, params = _learned(registries)
     assert params["weight"].shape == (2048, 16)
     assert layer.parameter_specs()["weight"].mesh_axes == (None, "embed")
     assert np.std(params["weight"]) > 0.05  # Random, not zeros.
 
 
-def test_embed_inputs_adds_table_rows_at_default_positions():
-    layer, params = _learned()
+def test_embed_inputs_adds_table_rows_at_default_positions(registries):
+    layer, params = _learned(registries)
     x = _x()
     positions = np.broadcast_to(np.arange(5), (2, 5))
     table = np.asarray(params["weight"], np.float64)
@@ -42,8 +43,8 @@ def test_embed_inputs_adds_table_rows_at_default_positions():
     np.testing.assert_allclose(_embed(layer, params, x, positions), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_embed_inputs_uses_the_given_positions_per_example():
-    layer, params = _learned()
+def test_embed_inputs_uses_the_given_positions_per_example(registries):
+    layer, params = _learned(registries)
     x = _x()
     positions = np.array([[7, 0, 3, 3, 1], [2, 2047, 6, 5, 0]])
     table = np.asarray(params["weight"], np.float64)
@@ -51,8 +52,8 @@ def test_embed_inputs_uses_the_given_positions_per_example():
     np.testing.assert_allclose(_embed(layer, params, x, positions), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_sequence_at_max_len_is_fine_and_longer_raises():
-    layer, params = _learned()
+def test_sequence_at_max_len_is_fine_and_longer_raises(registries):
+    layer, params = _learned(registries)
     x = _x((1, 2048, 16))
     out = _embed(layer, params, x, np.arange(2048)[None])
     np.testing.assert_allclose(out, x + np.asarray(params["weight"])[None], rtol=1e-6, atol=1e-6)
@@ -61,14 +62,14 @@ def test_sequence_at_max_len_is_fine_and_longer_raises():
         _embed(layer, params, x_long, np.arange(2049)[None])
 
 
-def test_unset_dim_raises_when_specs_are_built():
-    layer = LearnedPositionEmbedding.default_config().set(max_len=4).instantiate(name="pos")
+def test_unset_dim_raises_when_specs_are_built(registries):
+    layer = LearnedPositionEmbedding.default_config().set(max_len=4).instantiate(name="pos", registries=registries)
     with pytest.raises(ValueError, match="dim"):
         layer.parameter_specs()
 
 
-def test_embed_inputs_gradient_flows_only_to_used_rows():
-    layer, params = _learned()
+def test_embed_inputs_gradient_flows_only_to_used_rows(registries):
+    layer, params = _learned(registries)
     x = _x((1, 3, 16))
     positions = np.array([[1, 4, 4]])
 
@@ -82,8 +83,8 @@ def test_embed_inputs_gradient_flows_only_to_used_rows():
     np.testing.assert_allclose(grad, expected)
 
 
-def test_base_position_embedding_is_identity_everywhere():
-    layer = PositionEmbedding.default_config().instantiate(name="pos")
+def test_base_position_embedding_is_identity_everywhere(registries):
+    layer = PositionEmbedding.default_config().instantiate(name="pos", registries=registries)
     assert layer.parameter_specs() == {}
     x, q, k = _x((1, 3, 4)), _x((1, 3, 2, 4), 2), _x((1, 3, 1, 4), 3)
     pos = np.arange(3)[None]
@@ -94,3 +95,5 @@ def test_base_position_embedding_is_identity_everywhere():
     np.testing.assert_array_equal(k2, k)
     bias, _ = axcore.functional(layer, {}, (pos, pos), None, False, method="attention_bias")
     assert bias is None
+    slopes, _ = axcore.functional(layer, {}, (), None, False, method="bias_slopes")
+    assert slopes is None

@@ -21,11 +21,11 @@ def _stack(n, hiddens):
     return StackedTransformer.default_config().set(num_layers=n, layer=[_layer(h) for h in hiddens])
 
 
-def test_block_unit_equals_the_unrolled_sequence():
+def test_block_unit_equals_the_unrolled_sequence(registries):
     # Four layers alternating hidden sizes 16, 32: a scan over two blocks of [16, 32].
-    unrolled = _stack(4, [16, 32, 16, 32]).set(input_dim=8).instantiate(name="s")
+    unrolled = _stack(4, [16, 32, 16, 32]).set(input_dim=8).instantiate(name="s", registries=registries)
     repeated = RepeatedTransformer.default_config().set(input_dim=8, num_layers=4, layer=_stack(2, [16, 32]))
-    repeated = repeated.instantiate(name="r")
+    repeated = repeated.instantiate(name="r", registries=registries)
     assert repeated.repeats == 2 and repeated.layers_per_unit == 2
     params = unrolled.initialize(jax.random.key(0))
     stacked = {
@@ -41,9 +41,10 @@ def test_block_unit_equals_the_unrolled_sequence():
     np.testing.assert_allclose(actual, expected, atol=1e-5)
 
 
-def test_remat_policy_keeps_gradients():
+def test_remat_policy_keeps_gradients(registries):
     base = RepeatedTransformer.default_config().set(input_dim=8, num_layers=3, layer=_layer(16))
-    plain, remat = base.instantiate(name="r"), base.clone(remat_policy="nothing_saveable").instantiate(name="r")
+    plain = base.instantiate(name="r", registries=registries)
+    remat = base.clone(remat_policy="nothing_saveable").instantiate(name="r", registries=registries)
     params = plain.initialize(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (2, 5, 8))
 
@@ -54,8 +55,12 @@ def test_remat_policy_keeps_gradients():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_bad_block_and_policy_are_config_errors():
+def test_bad_block_and_policy_are_config_errors(registries):
     with pytest.raises(ConfigError, match="not a multiple"):
-        RepeatedTransformer.default_config().set(input_dim=8, num_layers=3, layer=_stack(2, [16, 32])).instantiate(name="r")
+        cfg = RepeatedTransformer.default_config().set(input_dim=8, num_layers=3, layer=_stack(2, [16, 32]))
+        cfg.instantiate(name="r", registries=registries)
     with pytest.raises(ConfigError, match="remat_policy 'nothing'"):
-        RepeatedTransformer.default_config().set(input_dim=8, num_layers=2, layer=_layer(16), remat_policy="nothing").instantiate(name="r")
+        cfg = RepeatedTransformer.default_config().set(
+            input_dim=8, num_layers=2, layer=_layer(16), remat_policy="nothing"
+        )
+        cfg.instantiate(name="r", registries=registries)

@@ -20,13 +20,16 @@ def _layer_cfg():
     return cfg
 
 
-def _pair(unroll=1):
+def _pair(registries, unroll=1):
     layer_cfg = _layer_cfg()
     stacked = StackedTransformer.default_config().set(input_dim=DIM, num_layers=NUM_LAYERS, layer=layer_cfg)
     repeated = RepeatedTransformer.default_config().set(
         input_dim=DIM, num_layers=NUM_LAYERS, layer=layer_cfg, unroll=unroll
     )
-    return stacked.instantiate(name="stack"), repeated.instantiate(name="stack")
+    return (
+        stacked.instantiate(name="stack", registries=registries),
+        repeated.instantiate(name="stack", registries=registries),
+    )
 
 
 def _stack_params(unrolled):
@@ -46,8 +49,8 @@ def _run(layer, params, inputs, **kw):
     return out, collection
 
 
-def test_repeated_equals_stacked_for_the_same_params_under_jit():
-    stacked, repeated = _pair()
+def test_repeated_equals_stacked_for_the_same_params_under_jit(registries):
+    stacked, repeated = _pair(registries)
     unrolled = stacked.initialize(jax.random.key(0))
     x = _x()
     kv_mask = np.array([[True] * 6, [True] * 4 + [False] * 2])
@@ -59,8 +62,8 @@ def test_repeated_equals_stacked_for_the_same_params_under_jit():
     assert not np.allclose(a, x, atol=0.1)  # The layers do something.
 
 
-def test_repeated_parameter_specs_have_leading_layer_axis():
-    stacked, repeated = _pair()
+def test_repeated_parameter_specs_have_leading_layer_axis(registries):
+    stacked, repeated = _pair(registries)
     specs = repeated.parameter_specs()
     assert set(specs) == {"layer"}
     unrolled_specs = stacked.parameter_specs()["layer0"]
@@ -75,12 +78,12 @@ def test_repeated_parameter_specs_have_leading_layer_axis():
     assert specs["layer"]["self_attention"]["wq"].mesh_axes == ("layers", "embed", "heads", None)
 
 
-def test_repeated_initialize_draws_each_layer_independently_and_scans_in_order():
+def test_repeated_initialize_draws_each_layer_independently_and_scans_in_order(registries):
     # A Linear as the repeated layer keeps this cheap; stacking is the same for any layer.
     cfg = RepeatedTransformer.default_config().set(
         input_dim=DIM, num_layers=3, layer=Linear.default_config().set(output_dim=DIM)
     )
-    repeated = cfg.instantiate(name="stack")
+    repeated = cfg.instantiate(name="stack", registries=registries)
     params = repeated.initialize(jax.random.key(0))
     abstract = repeated.abstract_parameters()
     assert jax.tree.map(lambda a: (a.shape, a.dtype), params) == jax.tree.map(lambda a: (a.shape, a.dtype), abstract)
@@ -101,8 +104,8 @@ def test_repeated_initialize_draws_each_layer_independently_and_scans_in_order()
 
 
 @pytest.mark.parametrize("unroll", [1, 2, 5])  # 5 > repeats: fully unrolled.
-def test_repeated_gradients_equal_stacked_gradients(unroll):
-    stacked, repeated = _pair(unroll)
+def test_repeated_gradients_equal_stacked_gradients(unroll, registries):
+    stacked, repeated = _pair(registries, unroll)
     unrolled = stacked.initialize(jax.random.key(2))
     x = _x(3)
 
@@ -119,9 +122,9 @@ def test_repeated_gradients_equal_stacked_gradients(unroll):
     assert np.abs(np.asarray(g_repeated["layer"]["self_attention"]["wq"])).max() > 1e-3
 
 
-def test_unroll_below_one_is_rejected_with_the_path():
+def test_unroll_below_one_is_rejected_with_the_path(registries):
     with pytest.raises(axcore.ConfigError, match="stack: unroll must be >= 1"):
-        _pair(unroll=0)
+        _pair(registries, unroll=0)
 
 
 class _RecordingLayer(BaseLayer):
@@ -144,9 +147,9 @@ class _ParameterlessLayer(Module):
 
 
 @pytest.mark.parametrize("cls", [StackedTransformer, RepeatedTransformer])
-def test_layer_outputs_are_collected_per_layer(cls):
+def test_layer_outputs_are_collected_per_layer(cls, registries):
     cfg = cls.default_config().set(input_dim=DIM, num_layers=NUM_LAYERS, layer=_RecordingLayer.default_config())
-    stack = cfg.instantiate(name="stack")
+    stack = cfg.instantiate(name="stack", registries=registries)
     params = stack.initialize(jax.random.key(0))
     x = np.zeros((1, 2, DIM), np.float32)
     out, collection = _run(stack, params, (x,))
@@ -161,11 +164,11 @@ def test_layer_outputs_are_collected_per_layer(cls):
 
 
 @pytest.mark.parametrize("cls", [StackedTransformer, RepeatedTransformer])
-def test_parameterless_layer_is_applied_num_layers_times(cls):
+def test_parameterless_layer_is_applied_num_layers_times(cls, registries):
     # Without parameters and without a PRNG key there is nothing for scan to iterate
     # over, so the number of repetitions must come from num_layers.
     cfg = cls.default_config().set(input_dim=DIM, num_layers=NUM_LAYERS, layer=_ParameterlessLayer.default_config())
-    stack = cfg.instantiate(name="stack")
+    stack = cfg.instantiate(name="stack", registries=registries)
     x = np.zeros((1, 2, DIM), np.float32)
     out, _ = _run(stack, {}, (x,))
     np.testing.assert_allclose(out, x + NUM_LAYERS)

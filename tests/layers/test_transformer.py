@@ -81,16 +81,16 @@ def _run(layer, params, inputs, *, is_training=False, prng_key=None):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_transformer_layer_is_pre_norm_residual(causal):
-    layer = _layer_cfg(causal).instantiate(name="layer")
+def test_transformer_layer_is_pre_norm_residual(causal, registries):
+    layer = _layer_cfg(causal).instantiate(name="layer", registries=registries)
     params = _random_norm_scales(layer.initialize(jax.random.key(0)), seed=0)
     x = _x()
     expected = np_transformer_layer(_np(params), x.astype(np.float64), causal)
     np.testing.assert_allclose(_run(layer, params, (x,)), expected, rtol=RTOL, atol=ATOL)
 
 
-def test_transformer_layer_passes_kv_mask_to_attention():
-    layer = _layer_cfg(causal=False).instantiate(name="layer")
+def test_transformer_layer_passes_kv_mask_to_attention(registries):
+    layer = _layer_cfg(causal=False).instantiate(name="layer", registries=registries)
     params = _random_norm_scales(layer.initialize(jax.random.key(0)), seed=1)
     x = _x()
     kv_mask = np.array([[True] * 6, [True] * 3 + [False] * 3])
@@ -102,13 +102,13 @@ def test_transformer_layer_passes_kv_mask_to_attention():
 # -- Dropout -----------------------------------------------------------------------------
 
 
-def _dropout_layer():
-    layer = _layer_cfg(dropout_rate=0.5).instantiate(name="layer")
+def _dropout_layer(registries):
+    layer = _layer_cfg(dropout_rate=0.5).instantiate(name="layer", registries=registries)
     return layer, layer.initialize(jax.random.key(0))
 
 
-def test_dropout_in_training_changes_output_deterministically_per_key():
-    layer, params = _dropout_layer()
+def test_dropout_in_training_changes_output_deterministically_per_key(registries):
+    layer, params = _dropout_layer(registries)
     x = _x()
     eval_out = _run(layer, params, (x,))
     a = _run(layer, params, (x,), is_training=True, prng_key=jax.random.key(7))
@@ -119,15 +119,15 @@ def test_dropout_in_training_changes_output_deterministically_per_key():
     assert not np.allclose(a, c, atol=1e-3)
 
 
-def test_dropout_is_ignored_in_evaluation():
-    layer, params = _dropout_layer()
+def test_dropout_is_ignored_in_evaluation(registries):
+    layer, params = _dropout_layer(registries)
     x = _x()
     out = _run(layer, params, (x,), is_training=False, prng_key=jax.random.key(7))
     np.testing.assert_allclose(out, np_transformer_layer(_np(params), x.astype(np.float64), True), rtol=RTOL, atol=ATOL)
 
 
-def test_training_without_dropout_equals_evaluation():
-    layer = _layer_cfg(dropout_rate=0.0).instantiate(name="layer")
+def test_training_without_dropout_equals_evaluation(registries):
+    layer = _layer_cfg(dropout_rate=0.0).instantiate(name="layer", registries=registries)
     params = layer.initialize(jax.random.key(0))
     x = _x()
     np.testing.assert_array_equal(
@@ -135,15 +135,15 @@ def test_training_without_dropout_equals_evaluation():
     )
 
 
-def test_dropout_in_training_without_key_raises():
-    layer, params = _dropout_layer()
+def test_dropout_in_training_without_key_raises(registries):
+    layer, params = _dropout_layer(registries)
     with pytest.raises(ValueError, match="prng_key"):
         _run(layer, params, (_x(),), is_training=True, prng_key=None)
 
 
-def test_dropout_with_rate_one_half_zeroes_or_doubles_the_attention_branch():
+def test_dropout_with_rate_one_half_zeroes_or_doubles_the_attention_branch(registries):
     """With a zero feed-forward, out = x + dropout(attn(norm(x))): each entry is x or x + 2 * attn."""
-    layer, params = _dropout_layer()
+    layer, params = _dropout_layer(registries)
     params = jax.tree.map(lambda a: a, params)
     params["feed_forward"]["down_proj"]["weight"] = np.zeros((HIDDEN, DIM), np.float32)
     x = _x()
@@ -158,9 +158,9 @@ def test_dropout_with_rate_one_half_zeroes_or_doubles_the_attention_branch():
 # -- StackedTransformer ------------------------------------------------------------------
 
 
-def test_stacked_transformer_applies_layers_in_order():
+def test_stacked_transformer_applies_layers_in_order(registries):
     cfg = StackedTransformer.default_config().set(input_dim=DIM, num_layers=2, layer=_layer_cfg())
-    stack = cfg.instantiate(name="stack")
+    stack = cfg.instantiate(name="stack", registries=registries)
     params = _random_norm_scales(stack.initialize(jax.random.key(0)), seed=2)
     assert set(params) == {"layer0", "layer1"}
     assert not np.allclose(params["layer0"]["self_attention"]["wq"], params["layer1"]["self_attention"]["wq"])
@@ -175,10 +175,10 @@ def test_stacked_transformer_applies_layers_in_order():
     assert not np.allclose(out, swapped, atol=1e-3)
 
 
-def test_stacked_transformer_accepts_one_config_per_layer():
+def test_stacked_transformer_accepts_one_config_per_layer(registries):
     layers = [_layer_cfg(hidden=32), _layer_cfg(hidden=16, causal=False)]
     cfg = StackedTransformer.default_config().set(input_dim=DIM, num_layers=2, layer=layers)
-    stack = cfg.instantiate(name="stack")
+    stack = cfg.instantiate(name="stack", registries=registries)
     params = stack.initialize(jax.random.key(1))
     assert params["layer0"]["feed_forward"]["up_proj"]["weight"].shape == (DIM, 32)
     assert params["layer1"]["feed_forward"]["up_proj"]["weight"].shape == (DIM, 16)
@@ -189,9 +189,9 @@ def test_stacked_transformer_accepts_one_config_per_layer():
 
 
 @pytest.mark.parametrize("num_configs", [1, 3])
-def test_stacked_transformer_rejects_list_of_wrong_length(num_configs):
+def test_stacked_transformer_rejects_list_of_wrong_length(num_configs, registries):
     cfg = StackedTransformer.default_config().set(
         input_dim=DIM, num_layers=2, layer=[_layer_cfg() for _ in range(num_configs)]
     )
     with pytest.raises(axcore.ConfigError, match="num_layers"):
-        cfg.instantiate(name="stack")
+        cfg.instantiate(name="stack", registries=registries)

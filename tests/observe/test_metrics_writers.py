@@ -166,3 +166,22 @@ def test_importing_observe_pulls_in_no_heavy_library():
         assert not heavy, heavy
     """)
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_registered_factories_build_writers_in_the_run_directory(tmp_path, registries):
+    from axcore.config import from_dict
+    from axcore.observe import JsonlWriterFactory, MetricsWriterFactory, TensorBoardWriterFactory
+
+    assert registries.metrics_writers["jsonl"] is JsonlWriterFactory
+    assert registries.metrics_writers["tensorboard"] is TensorBoardWriterFactory
+    cfg = from_dict({"type": "jsonl", "fsync": True}, registries)
+    factory = cfg.instantiate()
+    assert isinstance(factory, MetricsWriterFactory)
+    with factory.create(tmp_path) as writer:
+        writer.write(3, {"train/loss": 1.25})
+    assert read_jsonl_metrics(tmp_path / "metrics.jsonl")[0]["train/loss"] == 1.25
+    tb = from_dict({"type": "tensorboard", "flush_secs": 1}, registries).instantiate().create(tmp_path)
+    assert isinstance(tb, MetricsWriter)
+    tb.write(1, {"x": 1.0})
+    tb.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -29,7 +29,8 @@ def test_slopes_for_other_numbers_of_heads_interpolate():
 
 
 def _alibi(num_heads):
-    layer = AlibiBias.default_config().set(num_heads=num_heads, dim=8).instantiate(name="alibi")
+    registries = axcore.create_plugin_manager(["alibi"]).registries
+    layer = AlibiBias.default_config().set(num_heads=num_heads, dim=8).instantiate(name="alibi", registries=registries)
     assert layer.initialize(jax.random.key(0)) == {}  # No parameters.
     return layer
 

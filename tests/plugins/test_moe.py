@@ -15,7 +15,11 @@ import tiny
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 FIXED_MESH = "mesh.instance_type=cpu-1"
 # As in tests/trainer/test_trainer.py, without sampling or evaluation.
-TINY = [*tiny.TINY, "trainer.eval_every=0", "trainer.sample.num_bytes=0", "trainer.learner.warmup_steps=2", "trainer.max_steps=3"]
+# Metrics are fetched every step (log_every=1), so each step writes a record.
+TINY = [
+    *tiny.TINY, "trainer.eval_every=0", "trainer.sample.num_tokens=0", "trainer.learner.schedule.warmup_steps=2",
+    "trainer.max_steps=3", "trainer.log_every=1",
+]
 
 
 def _lines(experiment):
@@ -43,14 +47,14 @@ def test_every_second_layer_of_the_default_experiment_gets_experts(tmp_path):
     assert "model.decoder.layer[4].type" not in lines and lines["moe.every"] == "2"
 
 
-def test_experts_inherit_a_gated_feed_forward():
+def test_experts_inherit_the_feed_forward_settings():
     lines = _lines(load_experiment(None, [
-        "plugins=[moe]", "model.decoder.layer.feed_forward.gating=gated",
-        "model.decoder.layer.feed_forward.activation=silu", "model.decoder.layer.feed_forward.hidden_dim=704",
+        "plugins=[moe]", "model.decoder.layer.feed_forward.activation=silu",
+        "model.decoder.layer.feed_forward.hidden_dim=704",
     ]))
-    assert lines["model.decoder.layer[0].feed_forward.gating"] == "gated"
+    assert lines["model.decoder.layer[0].feed_forward.activation"] == "silu"
     expert = "model.decoder.layer[1].feed_forward.expert"
-    assert lines[f"{expert}.gating"] == "gated" and lines[f"{expert}.activation"] == "silu"
+    assert lines[f"{expert}.type"] == "feed_forward" and lines[f"{expert}.activation"] == "silu"
     assert lines["model.decoder.layer[1].feed_forward.hidden_dim"] == "704"
     assert lines[f"{expert}.hidden_dim"] == "REQUIRED"  # Set by the MoE when it is built.
 
@@ -60,7 +64,7 @@ def test_experts_of_a_swiglu_model_are_swiglu():
     lines = _lines(load_experiment(None, ["plugins=[swiglu, moe]", "model.num_layers=2"]))
     assert lines["model.decoder.layer[1].feed_forward.type"] == "mixture_of_experts"
     assert lines["model.decoder.layer[1].feed_forward.expert.activation"] == "silu"
-    assert lines["model.decoder.layer[1].feed_forward.expert.gating"] == "gated"
+    assert lines["model.decoder.layer[1].feed_forward.expert.type"] == "gated_feed_forward"
 
 
 def test_scanned_decoder_repeats_a_block_with_experts_in_its_last_layer():

@@ -9,10 +9,16 @@ import pytest
 
 import axcore
 from axcore.errors import ConfigError
-from axcore.layers import Activation, CausalLM, FeedForward, Gating
+from axcore.layers import Activation, CausalLM, FeedForward
 from axcore_moe import MixtureOfExperts
 
 D, H = 8, 16
+
+
+@pytest.fixture(scope="module")
+def moe_registries():
+    """Registries of a plugin manager with the moe plugin enabled."""
+    return axcore.create_plugin_manager(["moe"]).registries
 
 
 def _random_params(module, seed=0):
@@ -27,10 +33,10 @@ def _random_params(module, seed=0):
     return jax.tree.map(draw, module.abstract_parameters())
 
 
-def _moe(**kw):
+def _moe(registries, **kw):
     cfg = MixtureOfExperts.default_config().set(input_dim=D, hidden_dim=H, **kw)
     cfg.expert.activation = Activation.GELU_TANH
-    layer = cfg.instantiate(name="moe")
+    layer = cfg.instantiate(name="moe", registries=registries)
     return layer, _random_params(layer)
 
 
@@ -43,13 +49,16 @@ def _x(b=2, t=6, seed=1):
     return np.random.default_rng(seed).normal(size=(b, t, D)).astype(np.float32)
 
 
-@pytest.mark.parametrize("gating", [Gating.NONE, Gating.GATED])
-def test_one_expert_without_dropping_is_the_dense_feed_forward(gating):
+@pytest.mark.parametrize("gated", [False, True])
+def test_one_expert_without_dropping_is_the_dense_feed_forward(gated):
+    # Any feed-forward layer can be the expert: the core one, or the swiglu plugin's gated one.
+    ffn_class = pytest.importorskip("axcore_swiglu").GatedFeedForward if gated else FeedForward
+    registries = axcore.create_plugin_manager(["moe", "swiglu"] if gated else ["moe"]).registries
     cfg = MixtureOfExperts.default_config().set(input_dim=D, hidden_dim=H, num_experts=1, top_k=1, capacity_factor=None)
-    cfg.expert.gating = gating
-    moe = cfg.instantiate(name="moe")
+    cfg.expert = ffn_class.default_config()
+    moe = cfg.instantiate(name="moe", registries=registries)
     params = _random_params(moe)
-    ffn = FeedForward.default_config().set(input_dim=D, hidden_dim=H, gating=gating).instantiate(name="ffn")
+    ffn = ffn_class.default_config().set(input_dim=D, hidden_dim=H).instantiate(name="ffn", registries=registries)
     ffn_params = jax.tree.map(lambda w: w[0], params["expert"])  # Expert 0's weights.
     assert jax.tree.map(jnp.shape, ffn_params) == jax.tree.map(lambda a: a.shape, ffn.abstract_parameters())
     x = _x()
@@ -90,8 +99,8 @@ def _np_reference(params, x, *, top_k, capacity_factor):
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.0, 0.3])
-def test_routing_dropping_and_aux_losses_match_numpy(capacity_factor):
-    moe, params = _moe(num_experts=4, top_k=2, capacity_factor=capacity_factor,
+def test_routing_dropping_and_aux_losses_match_numpy(capacity_factor, moe_registries):
+    moe, params = _moe(moe_registries, num_experts=4, top_k=2, capacity_factor=capacity_factor,
                        load_balance_loss_weight=0.5, router_z_loss_weight=0.25)
     x = _x(b=3, t=8)
     y, kept, chosen, load_balance, z_loss = _np_reference(params, x, top_k=2, capacity_factor=capacity_factor)
@@ -117,12 +126,12 @@ def test_routing_dropping_and_aux_losses_match_numpy(capacity_factor):
                 assert served.sum() == min(2, served.size) and served[: served.sum()].all()
 
 
-def test_aux_loss_is_added_to_the_causal_lm_loss_exactly():
+def test_aux_loss_is_added_to_the_causal_lm_loss_exactly(moe_registries):
     cfg = CausalLM.default_config().set(vocab_size=32, dim=D, num_layers=2)
     cfg.decoder.layer.self_attention.num_heads = 2
     cfg.decoder.layer.feed_forward = MixtureOfExperts.default_config().set(
         hidden_dim=H, num_experts=4, top_k=2, load_balance_loss_weight=0.1, router_z_loss_weight=0.01)
-    model = cfg.instantiate(name="model")
+    model = cfg.instantiate(name="model", registries=moe_registries)
     ids = np.random.default_rng(0).integers(0, 32, (2, 8))
     params = _random_params(model)
     (loss, metrics), collection = _apply(model, params, {"input_ids": ids, "target_labels": ids})
@@ -134,8 +143,8 @@ def test_aux_loss_is_added_to_the_causal_lm_loss_exactly():
     np.testing.assert_allclose(float(loss), float(metrics["cross_entropy"]) + sum(recorded), rtol=1e-6)
 
 
-def test_expert_weights_carry_the_expert_logical_axis():
-    moe, _ = _moe(num_experts=4)
+def test_expert_weights_carry_the_expert_logical_axis(moe_registries):
+    moe, _ = _moe(moe_registries, num_experts=4)
     specs = moe.parameter_specs()
     assert specs["router"].shape == (D, 4) and specs["router"].mesh_axes == ("embed", None)
     assert specs["expert"]["up_proj"]["weight"].shape == (4, D, H)
@@ -147,8 +156,8 @@ def test_expert_weights_carry_the_expert_logical_axis():
     np.testing.assert_allclose(up.std(), 1 / math.sqrt(D), rtol=0.2)  # Per-expert fan-in.
 
 
-def test_bad_routing_settings_are_config_errors():
+def test_bad_routing_settings_are_config_errors(moe_registries):
     with pytest.raises(ConfigError, match="top_k"):
-        _moe(num_experts=2, top_k=3)
+        _moe(moe_registries, num_experts=2, top_k=3)
     with pytest.raises(ConfigError, match="capacity_factor"):
-        _moe(capacity_factor=0.0)
+        _moe(moe_registries, capacity_factor=0.0)

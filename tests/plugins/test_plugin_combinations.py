@@ -7,16 +7,18 @@ import pytest
 from axcore.config import find
 from axcore.errors import ConfigError, PluginConflictError
 from axcore.experiment import load_experiment
-from axcore.layers import Activation, FeedForward, Gating, LearnedPositionEmbedding, MultiheadAttention
+from axcore.layers import Activation, FeedForward, LearnedPositionEmbedding, MultiheadAttention
 from axcore.layers import RepeatedTransformer
 from axcore_alibi import AlibiBias
+from axcore_swiglu import GatedFeedForward
 from tiny import TINY, train_steps
 
 
 
 def _swiglu_everywhere(config):
-    ffns = find(config, FeedForward)
-    assert ffns and all(f.gating is Gating.GATED and f.activation is Activation.SILU for _, f in ffns), ffns
+    ffns = find(config, GatedFeedForward)
+    assert ffns and all(f.activation is Activation.SILU for _, f in ffns), ffns
+    assert not find(config, FeedForward)  # No plain feed-forward left, experts included.
     return [path for path, _ in ffns]
 
 
@@ -29,7 +31,7 @@ def test_swiglu_alibi_remat_on_the_scan_experiment_compose_and_train():
     assert exp.config.model.position_embedding is None and not find(exp.config, LearnedPositionEmbedding)
     flat = exp.flat()
     for line in [
-        "model.decoder.layer.feed_forward.gating: gated",
+        "model.decoder.layer.feed_forward.type: gated_feed_forward",
         "model.decoder.layer.feed_forward.activation: silu",
         "model.decoder.layer.self_attention.position_embedding.type: alibi",
         "model.decoder.remat_policy: nothing_saveable",

@@ -18,10 +18,13 @@ from axcore.errors import ConfigError
 from axcore_rope import RotaryEmbedding, Scaling, rotary_frequencies
 from axcore_rope.rotary import yarn_mscale
 
+# Registries of a plugin manager with the rope plugin (module helpers build layers with them).
+REGISTRIES = axcore.create_plugin_manager(["rope"]).registries
+
 
 def _layer(head_dim=16, **fields):
     cfg = RotaryEmbedding.default_config().set(dim=head_dim, num_heads=4, **fields)
-    return cfg.instantiate(name="rotary")
+    return cfg.instantiate(name="rotary", registries=REGISTRIES)
 
 
 def _jitted(layer):
@@ -258,15 +261,14 @@ def test_invalid_configs_name_the_field(fields, pattern):
 
 def test_dim_must_come_from_a_slot():
     with pytest.raises(ConfigError, match="dim is unset.*position_embedding slot"):
-        RotaryEmbedding.default_config().instantiate(name="rotary")
+        RotaryEmbedding.default_config().instantiate(name="rotary", registries=REGISTRIES)
 
 
 def test_config_round_trips_through_yaml_by_registered_name():
-    registries = axcore.create_plugin_manager(["rope"]).registries
     cfg = RotaryEmbedding.default_config().set(theta=5e5, rotary_fraction=0.25, scaling="yarn", beta_fast=16)
-    text = to_yaml(cfg, registries)
+    text = to_yaml(cfg, REGISTRIES)
     assert text.startswith("type: rotary\n") and "scaling: yarn" in text
-    back = from_yaml(text, registries)
+    back = from_yaml(text, REGISTRIES)
     assert back == cfg and back.scaling is Scaling.YARN
 
 

@@ -249,7 +249,7 @@ def test_core_does_not_implement_or_import_rope():
 def test_tiny_rope_model_trains(tmp_path):
     exp = load_experiment(None, [
         *TINY, "plugins=[rope]", "rope.theta=500000", "trainer.max_steps=3", f"trainer.run_dir={tmp_path / 'run'}",
-        "trainer.sample.num_bytes=0", "trainer.eval_every=0", "trainer.learner.warmup_steps=1",
+        "trainer.sample.num_tokens=0", "trainer.eval_every=0", "trainer.learner.schedule.warmup_steps=1",
     ])
     assert exp.config.model.position_embedding is None
     result = Trainer(exp).run()

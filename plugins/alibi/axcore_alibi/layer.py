@@ -35,7 +35,14 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 
 
 class AlibiBias(PositionEmbedding):
-    """ALiBi for an attention slot: only `attention_bias` is not the identity."""
+    """ALiBi for an attention slot: its `bias_slopes` go to the attention kernel as slopes."""
+
+    def bias_slopes(self) -> np.ndarray:
+        """`[num_heads]` ALiBi slopes (the attention op adds `-slope_h * |i - j|`)."""
+        num_heads = self._config.num_heads
+        if num_heads is None:
+            raise ValueError(f"{self.path}: num_heads is unset; put AlibiBias in an attention slot.")
+        return alibi_slopes(num_heads)
 
     def attention_bias(self, q_positions, k_positions):
         """q_positions `[batch, q_len]`, k_positions `[batch, kv_len]` int

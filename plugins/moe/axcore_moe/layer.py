@@ -32,6 +32,7 @@ to the loss); each unweighted part and the dropped fractions are summaries.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 from axcore.config import REQUIRED, InstantiableConfig
 from axcore.errors import ConfigError
 from axcore.layers import BaseLayer, FeedForward, with_fields
+from axcore.layers.base import DotSite
 from axcore.layers.transformer import StackedInitializer
 from axcore.module import functional, no_context
 from axcore.params import FanAxes, ParameterSpec, fold_in_name
@@ -78,7 +80,7 @@ class MixtureOfExperts(BaseLayer):
         # Number of experts each token is routed to.
         top_k: int = 2
         # Template of one expert: a layer `[..., input_dim] -> [..., input_dim]` with
-        # input_dim and hidden_dim fields (e.g. feed_forward, plain or gated); this layer
+        # input_dim and hidden_dim fields (e.g. feed_forward, or swiglu's gated_feed_forward); this layer
         # sets both, and stacks its parameters on a leading "expert" axis.
         expert: InstantiableConfig = FeedForward.default_config()
         # Slots per expert per sequence: ceil(capacity_factor * seq * top_k / num_experts); None never drops.
@@ -109,6 +111,9 @@ class MixtureOfExperts(BaseLayer):
         shape = (self._config.input_dim, self._config.num_experts)
         return {"router": self._weight(shape, ("embed", None), FanAxes((0,), (1,)))}
 
+    def _dot_sites(self) -> dict[str, DotSite]:
+        return {"router": DotSite("router", (0,), "float32", "float32", x_axes=("batch", "seq", "embed"))}
+
     def parameter_specs(self) -> dict:
         """The router, and the expert template's tree stacked on a leading `[num_experts]` axis."""
         specs = super().parameter_specs()
@@ -117,7 +122,7 @@ class MixtureOfExperts(BaseLayer):
         def stack(spec: ParameterSpec) -> ParameterSpec:
             axes = ("expert", *(spec.mesh_axes or (None,) * len(spec.shape)))
             init = StackedInitializer(spec.initializer)
-            return ParameterSpec((n, *spec.shape), spec.dtype, init, axes, spec.weight_decay_scale)
+            return dataclasses.replace(spec, shape=(n, *spec.shape), initializer=init, mesh_axes=axes)
 
         specs["expert"] = jax.tree.map(stack, specs["expert"])
         return specs
@@ -125,7 +130,7 @@ class MixtureOfExperts(BaseLayer):
     def route(self, x: jax.Array) -> Routing:
         """Router decisions for x `[batch, seq, input_dim]` (see the module docstring)."""
         cfg = self._config
-        logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), self.parameters["router"].astype(jnp.float32))
+        logits = self._dot("router", x)  # float32: routing decisions are precision-sensitive.
         probs = jax.nn.softmax(logits, axis=-1)
         top_probs, experts = jax.lax.top_k(probs, cfg.top_k)
         assign = jax.nn.one_hot(experts, cfg.num_experts, dtype=jnp.int32)  # [b, t, k, e]

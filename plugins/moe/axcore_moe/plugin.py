@@ -2,8 +2,8 @@
 
 `plugins: [moe]` replaces the feed-forward of every `every`-th layer (layers
 every-1, 2*every-1, ...) of every decoder stack with a `mixture_of_experts` whose
-expert template is the replaced feed-forward (hidden_dim, activation, gating, ...
-carried over, so e.g. a SwiGLU FFN becomes SwiGLU experts):
+expert template is the replaced feed-forward (its type, hidden_dim, activation, ...
+carried over, so e.g. swiglu's gated feed-forward gives SwiGLU experts):
 
 - stacked_transformer: its `layer` template becomes a list of num_layers configs;
 - repeated_transformer (scan) over one layer: the unit becomes a stacked_transformer

@@ -1,8 +1,10 @@
-"""The swiglu plugin: settings and the config transform.
+"""The swiglu plugin: the gated feed-forward layer, settings and the config transform.
 
 SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"):
-`FFN(x) = down(silu(x W_gate) * (x W_up))`, i.e. `FeedForward` with
-`gating="gated"` and `activation="silu"`.
+`FFN(x) = down(silu(x W_gate) * (x W_up))`. `plugins: [swiglu]` replaces every
+core `feed_forward` config (also ones nested in other components, e.g. MoE experts)
+with a `gated_feed_forward` (`GatedFeedForward`, registered by this plugin) carrying
+the same field values, with `activation` from the settings.
 
 A gated FFN has three `[dim, hidden]`-sized matrices instead of two, so at equal
 `hidden_dim` it has 1.5x the parameters. `hidden_dim_multiplier` (e.g. 2/3, as in
@@ -19,9 +21,10 @@ from __future__ import annotations
 import math
 
 from axcore import REQUIRED, ConfigBase, hookimpl
-from axcore.config import replace
+from axcore.config import is_config_of, replace
 from axcore.errors import ConfigError
-from axcore.layers import Activation, FeedForward, Gating
+from axcore.layers import Activation, FeedForward
+from axcore_swiglu.layer import GatedFeedForward
 
 
 class SwiGLUSettings(ConfigBase):
@@ -46,18 +49,30 @@ def gated_hidden_dim(hidden_dim: int, multiplier: float, multiple_of: int) -> in
 
 
 def to_swiglu(path: str, ffn, settings: SwiGLUSettings):
-    """`ffn` (a FeedForward config at `path`) made gated with `settings.activation`."""
-    ffn.set(gating=Gating.GATED, activation=settings.activation)
+    """A GatedFeedForward config with `ffn`'s (a FeedForward config at `path`) values and `settings`."""
+    if is_config_of(ffn, GatedFeedForward):
+        return ffn  # Installed already (a resolved config read back): not scaled twice.
+    gated = GatedFeedForward.default_config().set(**dict(ffn.items()))
+    gated.activation = settings.activation
     if settings.hidden_dim_multiplier is not None:
-        if ffn.hidden_dim is REQUIRED:
+        if gated.hidden_dim is REQUIRED:
             raise ConfigError(
                 f"swiglu.hidden_dim_multiplier is set but '{path or '<root>'}' has no hidden_dim (its "
                 f"parent sets it, e.g. MoE experts); set it, unset the multiplier, or list swiglu before "
                 f"the plugin that built the parent (plugins: [swiglu, moe])."
             )
         multiplier, multiple_of = settings.hidden_dim_multiplier, settings.hidden_dim_multiple_of
-        ffn.hidden_dim = gated_hidden_dim(ffn.hidden_dim, multiplier, multiple_of)
-    return ffn
+        gated.hidden_dim = gated_hidden_dim(gated.hidden_dim, multiplier, multiple_of)
+    return gated
+
+
+def _is_feed_forward(_path: str, node) -> bool:
+    return is_config_of(node, FeedForward) or is_config_of(node, GatedFeedForward)
+
+
+@hookimpl
+def axcore_register_layers(register):
+    register("gated_feed_forward", GatedFeedForward)
 
 
 @hookimpl
@@ -68,4 +83,4 @@ def axcore_settings_config():
 @hookimpl
 def axcore_transform_config(config, settings):
     # Every FeedForward, including ones nested in other components (e.g. MoE experts).
-    return replace(config, FeedForward, lambda path, ffn: to_swiglu(path, ffn, settings))
+    return replace(config, _is_feed_forward, lambda path, ffn: to_swiglu(path, ffn, settings))

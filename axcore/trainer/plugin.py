@@ -1,0 +1,17 @@
+"""Built-in plugin: the optimizers (adamw, adafactor, lion, sgd) and learning-rate schedules."""
+
+from axcore.markers import hookimpl
+from axcore.trainer.optimizers import OPTIMIZERS
+from axcore.trainer.schedules import SCHEDULES
+
+
+@hookimpl
+def axcore_register_optimizers(register):
+    for name, optimizer in OPTIMIZERS.items():
+        register(name, optimizer)
+
+
+@hookimpl
+def axcore_register_schedules(register):
+    for name, schedule in SCHEDULES.items():
+        register(name, schedule)
