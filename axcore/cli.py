@@ -51,6 +51,18 @@ def _add_experiment(parser: argparse.ArgumentParser, *, required: bool) -> None:
         metavar="PATH=VALUE",
         help="override a config value, e.g. --set trainer.max_steps=50 (repeatable; YAML-typed)",
     )
+    parser.add_argument(
+        "--mesh-selector",
+        metavar="INSTANCE_TYPE",
+        help="lay the run out for this instance type (e.g. gpu-h100-8, tpu-v5p-64) instead of the detected "
+        "one; its hardware plugin is loaded if installed (same as --set mesh.instance_type=...)",
+    )
+
+
+def _overrides(args) -> list[str]:
+    """The `--set` overrides, with `--mesh-selector` as `mesh.instance_type`."""
+    selector = getattr(args, "mesh_selector", None)
+    return [*args.overrides, *([f"mesh.instance_type={selector}"] if selector else [])]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +84,7 @@ def _cmd_train(args) -> int:
     from axcore.experiment import load_experiment
     from axcore.trainer.trainer import Trainer
 
-    experiment = load_experiment(args.experiment, args.overrides)
+    experiment = load_experiment(args.experiment, _overrides(args), objects=args.objects)
     result = Trainer(experiment).run()
     eval_text = f", held-out loss {result.eval_loss:.3f}" if result.eval_loss is not None else ""
     print(f"Finished step {result.step}{eval_text}; run directory: {result.run_dir}", file=sys.stderr)
@@ -82,7 +94,12 @@ def _cmd_train(args) -> int:
 def _cmd_config(args) -> int:
     from axcore.experiment import load_experiment
 
-    sys.stdout.write(load_experiment(args.experiment, args.overrides).flat())
+    from axcore.kernels import describe_kernel_choices
+
+    experiment = load_experiment(args.experiment, _overrides(args), objects=args.objects)
+    sys.stdout.write(experiment.flat())
+    for op, kernels in describe_kernel_choices(experiment.kernel_choices()).items():
+        sys.stdout.write(f"# kernel {op}: {kernels}\n")
     return 0
 
 
@@ -111,7 +128,7 @@ def _cmd_compile(args) -> int:
     from axcore.compile_report import compile_report
     from axcore.experiment import load_experiment
 
-    for key, value in compile_report(load_experiment(args.experiment, args.overrides)).items():
+    for key, value in compile_report(load_experiment(args.experiment, _overrides(args), objects=args.objects)).items():
         print(f"{key}: {value}")
     return 0
 
@@ -175,7 +192,7 @@ def main(argv: Sequence[str] | None = None, *, objects: Mapping[str, Any] | None
     Args:
         argv: the arguments after `axcore`; None = `sys.argv[1:]`.
         objects: plugin objects by name, searched for commands before installed
-            plugins (tests, notebooks).
+            plugins and given to the experiment the command loads (tests, notebooks).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     plugin_command = bool(argv) and not argv[0].startswith("-") and argv[0] not in COMMANDS
@@ -185,6 +202,7 @@ def main(argv: Sequence[str] | None = None, *, objects: Mapping[str, Any] | None
     try:
         if plugin_command:
             return _run_plugin_command(argv[0], argv[1:], objects)
+        args.objects = objects
         return COMMANDS[args.command](args)
     except AxcoreError as e:
         print(f"axcore: error: {_one_line(e)}", file=sys.stderr)

@@ -109,6 +109,32 @@ class Experiment:
                     text += f"{name}.{path}: {format_value(value)}\n"
         return text
 
+    def kernel_choices(self) -> dict[str, dict[str, list[str]]]:
+        """Which kernel each op call of the model selects here: `{op: {kernel: [site, ...]}}`.
+
+        Traces the training loss abstractly (`jax.eval_shape`, nothing is computed or
+        allocated) on a batch of the input's shape, inside the run's op environment
+        without a mesh (a kernel that needs devices it cannot see declines, as it would
+        when compiling for them here).
+        """
+        import jax  # Deferred: `Experiment` is built without touching a JAX backend.
+        import jax.numpy as jnp
+
+        from axcore.kernels import op_environment, record_kernel_choices
+        from axcore.module import functional
+
+        model = self.config.model.instantiate(name="model", registries=self.registries)
+        shape = (self.config.input.batch_size, self.config.input.seq_len)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "target_labels")}
+
+        def loss(params, batch):
+            return functional(model, params, (batch,), jax.random.key(0), True)[0][0]
+
+        params = model.abstract_parameters()  # Outside the recording: declaring kernel state selects too.
+        with op_environment(None, self.config.mesh.axis_rules), record_kernel_choices() as choices:
+            jax.eval_shape(loss, params, batch)
+        return choices
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved experiment as YAML-safe data (config plus plugin settings)."""
         data = to_dict(self.config, self.registries)
@@ -239,6 +265,17 @@ def _platform() -> str:
     return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
 
 
+def _selected_instance_type(raw: Mapping[str, Any], parsed: Sequence[tuple[str, Any]]) -> str | None:
+    """The `mesh.instance_type` an experiment file or override names (e.g. gpu-h100-8), or None."""
+    selected = (raw.get("mesh") or {}).get("instance_type") if isinstance(raw.get("mesh"), dict) else None
+    for path, value in parsed:
+        if path == "mesh.instance_type":
+            selected = value
+        elif path == "mesh" and isinstance(value, dict) and "instance_type" in value:
+            selected = value["instance_type"]
+    return selected if isinstance(selected, str) and selected else None
+
+
 def load_experiment(
     source: str | os.PathLike | None = None,
     overrides: Sequence[str] = (),
@@ -256,7 +293,9 @@ def load_experiment(
             `plugins=[...]` replaces the list.
         objects: plugin objects by name, registered directly (tests, notebooks); their
             experiments can be loaded by name.
-        platform: hardware platform whose plugin is autoloaded; None = detected.
+        platform: hardware platform whose plugin is autoloaded; None = the platform of
+            the selected `mesh.instance_type` (its prefix: `gpu-h100-8` -> gpu), so a GPU
+            experiment resolves on a CPU machine, else the running JAX backend's.
 
     Raises:
         AxcoreError subclasses naming the offending file, key, path or plugin.
@@ -269,7 +308,9 @@ def load_experiment(
     plugins = raw.get("plugins") or []
     if not isinstance(plugins, list):
         raise ConfigError(f"{label}: 'plugins' must be a list of plugin names, got {plugins!r}.")
-    manager = create_plugin_manager(plugins, objects=objects, platform=platform or _platform())
+    selected = _selected_instance_type(raw, parsed)
+    platform = platform or (selected.split("-", 1)[0] if selected else _platform())
+    manager = create_plugin_manager(plugins, objects=objects, platform=platform)
     plugin_names = [PluginRequest.parse(p).name for p in plugins]
     fields = ExperimentConfig().keys()
     settings_raw: dict[str, Any] = {}

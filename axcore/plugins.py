@@ -388,6 +388,9 @@ def create_plugin_manager(
             )
         plugin, dist, version = _load_entry_point(request.name, eps)
         manager.register_plugin(plugin, request.name, distribution=dist, version=version, source="entry-point")
+    if platform and platform in objects and platform not in manager._infos:
+        # Given as an object (tests, notebooks): registered as an autoloaded hardware plugin would be.
+        manager.register_plugin(objects[platform], platform, source="platform", listed=False)
     if platform and not autoload_disabled() and platform not in manager._infos:
         if entry_points is None:
             entry_points = installed_entry_points()

@@ -12,7 +12,9 @@ from axcore.kernels.registry import (
     Problem,
     Support,
     current_environment,
+    describe_kernel_choices,
     op_environment,
+    record_kernel_choices,
     unknown_extras,
 )
 
@@ -34,8 +36,10 @@ __all__ = [
     "XlaDot",
     "causal_mask",
     "current_environment",
+    "describe_kernel_choices",
     "dot_problem",
     "op_environment",
+    "record_kernel_choices",
     "reference_dot",
     "sliding_window_mask",
     "unknown_extras",

@@ -27,6 +27,7 @@ i + kv_len - q_len - j < window), segments and the key mask.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from axcore.kernels.dot import wide_result
 from axcore.kernels.registry import Op, Problem, Support, unknown_extras
 
 
@@ -161,11 +163,12 @@ class XlaAttention:
         batch, q_len, num_heads, head_dim = q.shape
         kv_len, num_kv_heads = k.shape[1], k.shape[2]
         group = num_heads // num_kv_heads
+        # Scores in float32 (backward matmuls in q's dtype: see `wide_result`).
         if group == 1:  # Plain multi-head: 4-D einsums (a size-1 group axis costs layout copies).
-            logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+            logits = wide_result(functools.partial(jnp.einsum, "btnh,bsnh->bnts"), q, k, jnp.float32)
         else:  # Query head n reads kv head n // group, without materializing repeated k and v.
             q5 = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
-            logits = jnp.einsum("btkgh,bskh->bkgts", q5, k, preferred_element_type=jnp.float32)
+            logits = wide_result(functools.partial(jnp.einsum, "btkgh,bskh->bkgts"), q5, k, jnp.float32)
             logits = logits.reshape(batch, num_heads, q_len, kv_len)
         logits = logits * problem.scale
         if problem.softcap is not None:

@@ -28,10 +28,13 @@ Two built-in kernels compute the same math:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from axcore.kernels.registry import Op, Problem, Support, unknown_extras
@@ -71,7 +74,47 @@ def reference_dot(problem: DotProblem, x: jax.Array, w: jax.Array) -> jax.Array:
     w = w.astype(problem.compute_dtype)
     k = len(problem.contract)
     dims = ((tuple(range(x.ndim - k, x.ndim)), problem.contract), ((), ()))
-    return jax.lax.dot_general(x, w, dims, preferred_element_type=problem.output_dtype).astype(problem.output_dtype)
+    contract = functools.partial(jax.lax.dot_general, dimension_numbers=dims)
+    return wide_result(contract, x, w, problem.output_dtype)
+
+
+def wide_result(contract: Callable[..., jax.Array], a: jax.Array, b: jax.Array, out_dtype: Any) -> jax.Array:
+    """`contract(a, b)` (a dot or einsum taking `preferred_element_type`) accumulated and returned in
+    `out_dtype`, whose backward pass multiplies in the operands' dtype.
+
+    For float32 logits from bfloat16 operands JAX's own rule differentiates with the
+    float32 cotangent against a bfloat16 operand, which XLA upcasts: the output
+    head's and attention scores' backward matmuls then run in float32 (measured on an
+    H100: cuBLAS f32 GEMMs). Here the cotangent is rounded to the operands' dtype
+    first, as the forward's inputs were, so every matmul of the step runs in
+    bfloat16 with float32 accumulation. With operands already in `out_dtype` this
+    is plain `contract(a, b)`.
+    """
+    out_dtype = np.dtype(out_dtype)
+    if np.dtype(a.dtype) == out_dtype and np.dtype(b.dtype) == out_dtype:
+        return contract(a, b, preferred_element_type=out_dtype)
+    return _wide_result(contract, out_dtype, a, b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _wide_result(contract, out_dtype, a, b):
+    return contract(a, b, preferred_element_type=out_dtype).astype(out_dtype)
+
+
+def _wide_result_fwd(contract, out_dtype, a, b):
+    return _wide_result(contract, out_dtype, a, b), (a, b)
+
+
+def _wide_result_bwd(contract, out_dtype, residuals, g):
+    a, b = residuals
+    g = g.astype(a.dtype)
+    # Transposes of the bilinear map in each operand (no forward recomputation).
+    (da,) = jax.linear_transpose(lambda a_: contract(a_, b, preferred_element_type=a.dtype), a)(g)
+    (db,) = jax.linear_transpose(lambda b_: contract(a, b_, preferred_element_type=a.dtype), b)(g)
+    return da, db
+
+
+_wide_result.defvjp(_wide_result_fwd, _wide_result_bwd)
 
 
 class XlaDot:
@@ -105,28 +148,29 @@ class XlaCpuDot:
         lead = x.shape[: x.ndim - k]
         x2 = x.astype(problem.compute_dtype).reshape(math.prod(lead), problem.in_dim)
         w2 = w.astype(problem.compute_dtype).reshape(problem.in_dim, -1)
-        y = _dot_cpu(x2, w2).astype(problem.output_dtype)
+        y = _dot_cpu(x2, w2, problem.output_dtype)
         return y.reshape(*lead, *problem.out_dims)
 
 
-@jax.custom_vjp
-def _dot_cpu(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x `[n, i]` @ w `[i, o]`."""
-    return x @ w
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dot_cpu(x: jax.Array, w: jax.Array, out_dtype: np.dtype) -> jax.Array:
+    """x `[n, i]` @ w `[i, o]`, accumulated and returned in `out_dtype` (float32 logits stay float32)."""
+    return jax.lax.dot(x, w, preferred_element_type=out_dtype).astype(out_dtype)
 
 
-def _dot_cpu_fwd(x, w):
-    return x @ w, (x, w)
+def _dot_cpu_fwd(x, w, out_dtype):
+    return _dot_cpu(x, w, out_dtype), (x, w)
 
 
-def _dot_cpu_bwd(residuals, g):
+def _dot_cpu_bwd(out_dtype, residuals, g):
     x, w = residuals
-    dx = (g @ w.T).astype(x.dtype)
+    g = g.astype(x.dtype)  # The backward dots run in the compute dtype, like the forward one.
+    dx = jax.lax.dot(g, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
     tokens = (((0,), (0,)), ((), ()))  # Contract the token dimension.
     if x.shape[1] <= g.shape[1]:  # x is the smaller operand: XLA transposes it.
-        dw = jax.lax.dot_general(x, g, tokens)
+        dw = jax.lax.dot_general(x, g, tokens, preferred_element_type=jnp.float32)
     else:  # g is smaller: JAX's usual order, then a transpose of the small [o, i] result.
-        dw = jax.lax.dot_general(g, x, tokens).T
+        dw = jax.lax.dot_general(g, x, tokens, preferred_element_type=jnp.float32).T
     return dx, dw.astype(w.dtype)
 
 

@@ -86,6 +86,36 @@ _ENVIRONMENT: contextvars.ContextVar[OpEnvironment] = contextvars.ContextVar(
 )
 
 
+# op name -> kernel name -> call sites, while `record_kernel_choices` is active.
+_CHOICES: contextvars.ContextVar[dict[str, dict[str, list[str]]] | None] = contextvars.ContextVar(
+    "axcore_kernel_choices", default=None
+)
+
+
+@contextlib.contextmanager
+def record_kernel_choices() -> Iterator[dict[str, dict[str, list[str]]]]:
+    """Records, while active, which kernel `KernelRegistry.select` picks for each op and call site.
+
+    Yields `{op: {kernel: [site, ...]}}`, filled as ops are traced (e.g. while a train
+    step is jitted or `jax.eval_shape`d inside the block).
+    """
+    choices: dict[str, dict[str, list[str]]] = {}
+    token = _CHOICES.set(choices)
+    try:
+        yield choices
+    finally:
+        _CHOICES.reset(token)
+
+
+def describe_kernel_choices(choices: Mapping[str, Mapping[str, Sequence[str]]]) -> dict[str, str]:
+    """`{op: "kernel (n sites), ..."}` for `record_kernel_choices` results, kernels by descending use."""
+    out = {}
+    for op, kernels in sorted(choices.items()):
+        ranked = sorted(kernels.items(), key=lambda item: (-len(item[1]), item[0]))
+        out[op] = ", ".join(f"{name} ({len(sites)} site{'s' if len(sites) != 1 else ''})" for name, sites in ranked)
+    return out
+
+
 def current_environment() -> OpEnvironment:
     """The innermost `op_environment`, or an empty one."""
     return _ENVIRONMENT.get()
@@ -272,17 +302,25 @@ class KernelRegistry(Registry):
                     f"The '{declared.name}' kernel '{requested}' does not support this problem: "
                     f"{support.reason}. Remove the explicit kernel choice to fall back."
                 )
+            _record_choice(declared.name, kernel.name, problem)
             return kernel
         reasons = []
         for kernel in self.candidates(declared):
             support = kernel.is_supported(problem)
             if support:
+                _record_choice(declared.name, kernel.name, problem)
                 return kernel
             if (declared.name, kernel.name, support.reason) not in self._logged_declines:
                 self._logged_declines.add((declared.name, kernel.name, support.reason))
                 logger.info("'%s' kernel '%s' declined: %s", declared.name, kernel.name, support.reason)
             reasons.append(f"{kernel.name}: {support.reason}")
         raise KernelNotSupportedError(f"No '{declared.name}' kernel supports this problem ({'; '.join(reasons)}).")
+
+
+def _record_choice(op: str, kernel: str, problem: Any) -> None:
+    choices = _CHOICES.get()
+    if choices is not None:
+        choices.setdefault(op, {}).setdefault(kernel, []).append(getattr(problem, "site", "") or "?")
 
 
 def fixed_op_callback(op_name: str):

@@ -36,7 +36,7 @@ import yaml
 from axcore.data import Split
 from axcore.errors import AxcoreError, ConfigError
 from axcore.experiment import Experiment
-from axcore.kernels import op_environment
+from axcore.kernels import describe_kernel_choices, op_environment, record_kernel_choices
 from axcore.module import functional
 from axcore.observe import MultiWriter, ProgressBar, plot_loss_curve
 from axcore.observe.factories import JsonlWriterFactory
@@ -279,7 +279,13 @@ class Trainer:
             interval_start, fetched_step = time.perf_counter(), start
             for step in range(start + 1, tcfg.max_steps + 1):
                 batch = jax.device_put(next(train_iter), self.batch_sharding)
-                state, metrics = train_step(state, batch)
+                if step == start + 1:  # The first call traces the step: log the kernel each op got.
+                    with record_kernel_choices() as choices:
+                        state, metrics = train_step(state, batch)
+                    for op, kernels in describe_kernel_choices(choices).items():
+                        print(f"Kernel for {op}: {kernels}", file=self.stream)
+                else:
+                    state, metrics = train_step(state, batch)
                 unchecked.append((step, (metrics["loss"], metrics["grad_norm"])))
                 last = step == tcfg.max_steps
                 evaluate = bool(tcfg.eval_every) and (step % tcfg.eval_every == 0 or last)

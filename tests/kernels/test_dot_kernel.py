@@ -140,3 +140,52 @@ def test_weight_gradient_transposes_only_the_small_operand_on_cpu():
     text = jax.jit(jax.grad(loss)).lower((w_up, w_down)).compile().as_text()
     big_transposed = len(re.findall(r"f32\[512,2048\]|f32\[512,8,256\]", text))
     assert big_transposed == 0
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+def test_bfloat16_operands_with_a_float32_result_accumulate_and_return_float32(kernel):
+    """An output head under mixed precision: bfloat16 operands, float32 logits (never rounded to bfloat16)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    w = rng.standard_normal((64, 40)).astype(np.float32)
+    problem = dot_problem(x, w, (0,), compute_dtype=jnp.bfloat16, output_dtype=np.float32, platform="cpu")
+    y = kernel(problem, jnp.asarray(x), jnp.asarray(w))
+    assert y.dtype == np.float32
+    x16, w16 = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in (x, w))
+    np.testing.assert_allclose(y, x16 @ w16, rtol=1e-5, atol=1e-5)  # A bfloat16 result would be off by ~1e-2.
+    grad = jax.grad(lambda w: jnp.sum(kernel(problem, jnp.asarray(x), w) * 0.5))(jnp.asarray(w))
+    assert grad.dtype == np.float32
+    np.testing.assert_allclose(grad, 0.5 * x16.sum(0)[:, None] * np.ones((1, 40)), rtol=1e-2, atol=1e-2)
+
+
+def _dot_operand_dtypes(fn, *args):
+    """Operand dtypes of every dot_general in `fn`'s jaxpr (nested jaxprs included)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_float32_logits_from_bfloat16_operands_differentiate_in_bfloat16():
+    """The backward matmuls of a wide result (an output head, attention scores) run in the operands' dtype."""
+    from axcore.kernels import AttentionProblem, XlaAttention
+
+    x = jnp.ones((4, 8), jnp.bfloat16)
+    w = jnp.ones((8, 16), jnp.float32)
+    problem = dot_problem(x, w, (0,), compute_dtype=jnp.bfloat16, output_dtype=np.float32, platform="gpu")
+    dtypes = _dot_operand_dtypes(jax.grad(lambda x, w: jnp.sum(XlaDot()(problem, x, w)), argnums=(0, 1)), x, w)
+    assert len(dtypes) >= 3 and set(dtypes) == {("bfloat16", "bfloat16")}, dtypes  # Forward, dx, dw.
+    q = jnp.ones((1, 4, 4, 8), jnp.bfloat16)
+    k = v = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+    attention = AttentionProblem.of(q, k, causal=True)
+    dtypes = _dot_operand_dtypes(jax.grad(lambda q, k, v: jnp.sum(XlaAttention()(attention, q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)), q, k, v)
+    assert len(dtypes) >= 6 and set(dtypes) == {("bfloat16", "bfloat16")}, dtypes

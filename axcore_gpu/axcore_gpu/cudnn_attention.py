@@ -1,0 +1,264 @@
+"""cuDNN fused (flash) attention through `jax.nn.dot_product_attention(implementation="cudnn")`.
+
+Kernels of the `attention` op with this plugin, tried in this order (highest priority first):
+
+    100  cudnn       this module: cuDNN flash attention, bfloat16/float16 on CUDA sm80+
+     90  (reserved)  a Pallas flash-attention kernel (segment ids, soft-cap, ...), planned
+      0  xla         axcore's reference kernel, every capability (the fallback)
+
+Mapping from an `AttentionProblem` to `jax.nn.dot_product_attention` (layouts agree:
+q `[b, t, n, h]`, k and v `[b, s, kv, h]`, GQA native when n is a multiple of kv):
+
+    scale                        -> scale
+    causal (needs q_len == kv_len) -> is_causal=True
+    sliding_window w (causal)    -> local_window_size=(w - 1, 0): key j is visible iff
+                                    i - j <= w - 1, i.e. axcore's i - j < w (cuDNN's
+                                    sliding_window_length w, keys (i - w, i]); a window of
+                                    kv_len or more excludes nothing and is dropped
+    kv_mask [b, s]               -> mask [b, 1, t, s] (bool); cuDNN adds it as a bias, the
+                                    slower path that also needs even sequence lengths
+
+Declined, with the reason: another platform, float32 (cuDNN flash attention takes
+bfloat16/float16), head_dim not a multiple of 8 or over 128 (256 on sm90+), devices
+older than sm80, causal attention with q_len != kv_len (cuDNN's causal mask is
+top-left aligned, axcore's end-aligned), a non-causal window shorter than kv_len
+(cuDNN windows only causal attention), segment ids, logit soft-cap, attention
+dropout, ALiBi slopes, a bias function and a dense bias (none has an exact mapping
+through `jax.nn.dot_product_attention`), unknown extras, and input specs that shard
+anything but batch and heads.
+
+Under a multi-device mesh whose input specs shard batch and/or heads, the call runs
+inside `jax.shard_map` over those axes (each device attends its own rows and heads),
+so the kernel works under data/fsdp-sharded batches and head-sharded tensor
+parallelism alike. Rows whose keys are all masked are not guaranteed to match the
+reference (which averages every key for them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
+from jax.sharding import PartitionSpec
+
+from axcore_gpu.devices import cuda_compute_capability
+
+# Dtypes of q, k, v that cuDNN flash attention takes.
+CUDNN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+# Lowest CUDA compute capability with cuDNN flash attention (Ampere).
+MIN_COMPUTE_CAPABILITY = (8, 0)
+# head_dim bounds checked by JAX before the cuDNN call: a multiple of 8, at most 128,
+# or 256 on Hopper (sm90) and newer.
+HEAD_DIM_MULTIPLE = 8
+MAX_HEAD_DIM = 128
+MAX_HEAD_DIM_SM90 = 256
+
+
+def effective_window(problem: AttentionProblem) -> int | None:
+    """The problem's sliding window, or None when it excludes no key (window >= kv_len)."""
+    window = problem.sliding_window
+    if window is None or window >= problem.kv_len:
+        return None
+    return window
+
+
+def dot_product_attention_arguments(problem: AttentionProblem, q, k, kv_mask=None) -> dict[str, Any]:
+    """Keyword arguments of `jax.nn.dot_product_attention` that compute `problem` (table above).
+
+    Shapes are read from the arrays, so the same mapping serves a shard of the batch.
+    """
+    arguments: dict[str, Any] = {"scale": problem.scale, "is_causal": problem.causal}
+    window = effective_window(problem)
+    if window is not None:
+        arguments["local_window_size"] = (window - 1, 0)
+    if kv_mask is not None:
+        batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
+        mask = kv_mask.astype(bool)[:, None, None, :]
+        # Full [b, 1, t, s]: cuDNN's bias (which the mask becomes) must span q_len.
+        arguments["mask"] = jnp.broadcast_to(mask, (batch, 1, q_len, kv_len))
+    return arguments
+
+
+def mapped_attention(
+    problem: AttentionProblem, q, k, v, kv_mask=None, *, implementation: Literal["cudnn", "xla"] = "cudnn"
+):
+    """`jax.nn.dot_product_attention` on the problem's mapped arguments; `[b, t, n, h]` like q."""
+    arguments = dot_product_attention_arguments(problem, q, k, kv_mask)
+    return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **arguments)
+
+
+def _padded(spec: Any) -> tuple[Any, ...]:
+    """A `[b, t, n, h]` PartitionSpec as 4 entries (trailing ones None)."""
+    entries = tuple(spec)
+    return entries + (None,) * (4 - len(entries))
+
+
+def _axes(entry: Any) -> str:
+    return "+".join(entry) if isinstance(entry, tuple) else str(entry)
+
+
+def mesh_layout(problem: AttentionProblem) -> tuple[Support, tuple[PartitionSpec, PartitionSpec] | None]:
+    """Whether the problem's sharding can run, and the `(q_spec, kv_spec)` to shard_map over.
+
+    The specs are None when no shard_map is needed: no mesh, a one-device mesh, or
+    inputs replicated over the whole mesh.
+    """
+    mesh = problem.mesh
+    if mesh is None or math.prod(mesh.shape.values()) == 1:
+        return SUPPORTED, None
+    specs = tuple(problem.input_specs[:3])
+    if len(specs) < 3 or any(spec is None for spec in specs):
+        return Support(False, "input_specs of q, k, v are unknown under a multi-device mesh"), None
+    q_spec, k_spec, v_spec = (_padded(spec) for spec in specs)
+    if k_spec != v_spec:
+        return Support(False, f"k and v are sharded differently ({k_spec} vs {v_spec})"), None
+    for name, spec in (("q", q_spec), ("k", k_spec)):
+        if spec[1] is not None:
+            return Support(False, f"{name}'s sequence dim is sharded over mesh axis {_axes(spec[1])}"), None
+        if spec[3] is not None:
+            return Support(False, f"{name}'s head_dim is sharded over mesh axis {_axes(spec[3])}"), None
+    if q_spec[0] != k_spec[0]:
+        return Support(False, f"q's batch is sharded over {q_spec[0]} but k's over {k_spec[0]}"), None
+    if q_spec[2] != k_spec[2]:
+        # Sharding query heads but not kv heads (or otherwise) breaks the head -> kv-head grouping.
+        return Support(False, f"query heads are sharded over {q_spec[2]} but kv heads over {k_spec[2]}"), None
+    if q_spec[0] is None and q_spec[2] is None:
+        return SUPPORTED, None
+    return SUPPORTED, (PartitionSpec(*q_spec), PartitionSpec(*k_spec))
+
+
+class CudnnAttention:
+    """cuDNN flash attention (module docstring: mapping, declines, sharding).
+
+    Args:
+        implementation: "cudnn"; "xla" runs the same argument mapping through JAX's XLA
+            implementation, so the mapping is testable on CPU.
+        compute_capability: `(major, minor)` of the target GPU; None = read from the
+            devices of the problem's mesh (or the process's) at `is_supported` time.
+    """
+
+    name = "cudnn"
+    priority = 100
+
+    def __init__(
+        self,
+        *,
+        implementation: Literal["cudnn", "xla"] = "cudnn",
+        compute_capability: tuple[int, int] | None = None,
+    ):
+        self.implementation = implementation
+        self.compute_capability = compute_capability
+
+    def is_supported(self, problem: AttentionProblem) -> Support:
+        if problem.platform != "gpu":
+            return Support(False, f"platform is '{problem.platform}'; cuDNN attention runs on CUDA GPUs")
+        if np.dtype(problem.dtype) not in CUDNN_DTYPES:
+            dtype = np.dtype(problem.dtype).name
+            return Support(False, f"dtype {dtype}: cuDNN flash attention takes bfloat16 or float16")
+        capability = self.compute_capability or cuda_compute_capability(problem.mesh)
+        if capability is None:
+            return Support(False, "no CUDA device visible to read the compute capability from")
+        if capability < MIN_COMPUTE_CAPABILITY:
+            major, minor = capability
+            return Support(False, f"compute capability {major}.{minor}: cuDNN flash attention needs 8.0+")
+        for support in (
+            self._check_shape(problem, capability),
+            self._check_capabilities(problem),
+            mesh_layout(problem)[0],
+            unknown_extras(problem),
+        ):
+            if not support:
+                return support
+        return SUPPORTED
+
+    @staticmethod
+    def _check_shape(problem: AttentionProblem, capability: tuple[int, int]) -> Support:
+        max_head_dim = MAX_HEAD_DIM_SM90 if capability >= (9, 0) else MAX_HEAD_DIM
+        if problem.head_dim % HEAD_DIM_MULTIPLE or problem.head_dim > max_head_dim:
+            return Support(
+                False,
+                f"head_dim {problem.head_dim}: cuDNN needs a multiple of {HEAD_DIM_MULTIPLE} up to "
+                f"{max_head_dim} on compute capability {capability[0]}.{capability[1]}",
+            )
+        if problem.num_heads % problem.num_kv_heads:
+            return Support(
+                False, f"num_heads {problem.num_heads} is not a multiple of num_kv_heads {problem.num_kv_heads}"
+            )
+        return SUPPORTED
+
+    @staticmethod
+    def _check_capabilities(problem: AttentionProblem) -> Support:
+        declined = [
+            (problem.has_segment_ids, "segment ids (jax.nn.dot_product_attention takes none)"),
+            (problem.softcap is not None, "logit soft-cap (jax.nn.dot_product_attention has none)"),
+            (problem.dropout_rate > 0.0, "attention dropout (jax.nn.dot_product_attention has none)"),
+            (problem.bias_slopes is not None, "ALiBi slopes (only as a dense bias, which defeats the fused kernel)"),
+            (problem.bias_fn is not None, "a position-bias function (only as a dense bias)"),
+            (problem.has_bias, "a dense bias (not mapped by this kernel)"),
+        ]
+        for present, what in declined:
+            if present:
+                return Support(False, f"does not implement {what}")
+        if problem.causal and problem.q_len != problem.kv_len:
+            return Support(
+                False,
+                f"causal with q_len {problem.q_len} != kv_len {problem.kv_len}: cuDNN's causal mask is "
+                f"top-left aligned, axcore's end-aligned",
+            )
+        if problem.sliding_window is not None and problem.sliding_window < 1:
+            return Support(False, f"sliding_window {problem.sliding_window} < 1")
+        if effective_window(problem) is not None and not problem.causal:
+            return Support(False, "a sliding window without causal masking (cuDNN windows causal attention only)")
+        if problem.has_kv_mask and (problem.q_len % 2 or problem.kv_len % 2):
+            return Support(
+                False,
+                f"kv_mask with odd q_len {problem.q_len} or kv_len {problem.kv_len} (cuDNN's masked "
+                f"backward needs even sequence lengths)",
+            )
+        return SUPPORTED
+
+    def __call__(
+        self,
+        problem: AttentionProblem,
+        q,
+        k,
+        v,
+        *,
+        kv_mask=None,
+        q_segment_ids=None,
+        kv_segment_ids=None,
+        q_positions=None,
+        kv_positions=None,
+        bias=None,
+        dropout_key=None,
+    ):
+        given = {
+            "q_segment_ids": q_segment_ids,
+            "kv_segment_ids": kv_segment_ids,
+            "q_positions": q_positions,
+            "kv_positions": kv_positions,
+            "bias": bias,
+            "dropout_key": dropout_key,
+        }
+        unexpected = sorted(name for name, value in given.items() if value is not None)
+        if unexpected:
+            raise ValueError(f"cudnn attention was given {unexpected}, which is_supported declines.")
+        support, specs = mesh_layout(problem)
+        if not support:
+            raise ValueError(f"cudnn attention cannot run this sharding: {support.reason}.")
+
+        def attend(q, k, v, *mask):
+            return mapped_attention(problem, q, k, v, *mask, implementation=self.implementation)
+
+        arrays = (q, k, v) if kv_mask is None else (q, k, v, kv_mask)
+        if specs is None:
+            return attend(*arrays)
+        q_spec, kv_spec = specs
+        in_specs = (q_spec, kv_spec, kv_spec) + (() if kv_mask is None else (PartitionSpec(q_spec[0], None),))
+        # Each shard attends its own rows and heads; axes the specs leave out replicate it.
+        sharded = jax.shard_map(attend, mesh=problem.mesh, in_specs=in_specs, out_specs=q_spec)
+        return sharded(*arrays)
