@@ -89,17 +89,21 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.llama_jax import SMOKE_SHAPE, LlamaShape
-from benchmarks.step_accounting import flops_per_step, hlo_matmuls, jaxpr_dots, peak_tflops
+from benchmarks.step_accounting import (
+    LOSS_RTOL,
+    flops_per_step,
+    headlines,
+    hlo_matmuls,
+    jaxpr_dots,
+    peak_tflops,
+    table,
+)
 
-TARGET_MFU = 0.55
-TARGET_RATIO = 1.05
 # First-step losses of the two contenders: same parameters and batch, bfloat16 compute.
-LOSS_RTOL = 1e-2
 ATTENTIONS = ("auto", "xla", "cudnn")
 OOM_EXIT = 3
 SMOKE_XLA_FLAG = "--xla_backend_optimization_level=0"
 MEM_FRACTION = "0.9"
-GIB = 2**30
 # Environment variables recorded in each result.
 ENV_KEYS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "JAX_PLATFORMS")
 
@@ -458,27 +462,6 @@ def _own_peaks(memory: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
-def headlines(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Summary rows (benchmarks.run's SUMMARY.md format)."""
-    tag = f"[{result['attention']['requested']}: {result['attention']['axcore_kernel']}]"
-    rows = []
-    for name, c in result["contenders"].items():
-        rows.append({"metric": f"{tag} {name} step (median s)", "value": round(c["step_time_s"]["median"], 4)})
-        rows.append({"metric": f"{tag} {name} tokens/s", "value": round(c["tokens_per_s"])})
-        row = {"metric": f"{tag} {name} MFU (causal half)", "value": None if c["mfu"] is None else round(c["mfu"], 4)}
-        if c["mfu"] is not None and not result["smoke"]:
-            row.update(target=f">= {TARGET_MFU}", passed=c["mfu"] >= TARGET_MFU)
-        rows.append(row)
-        gib = None if c["peak_bytes_in_use"] is None else round(c["peak_bytes_in_use"] / GIB, 2)
-        rows.append({"metric": f"{tag} {name} peak device memory (GiB)", "value": gib})
-    ratio = result["ratio_axcore_over_pure_jax"]["median"]
-    rows.append({"metric": f"{tag} axcore / pure JAX (median of per-round ratios)", "value": round(ratio, 4),
-                 "target": f"<= {TARGET_RATIO}", "passed": ratio <= TARGET_RATIO})
-    rows.append({"metric": f"{tag} first-step losses (rel. diff)", "value": f"{result['first_step_loss_rel_diff']:.1e}",
-                 "target": f"<= {LOSS_RTOL:g}", "passed": result["first_step_losses_agree"]})
-    return rows
-
-
 # -- Command line and phases ---------------------------------------------------------------
 
 
@@ -599,39 +582,6 @@ def run(smoke: bool = False, results_dir: pathlib.Path | None = None, argv: list
     print(table(phases))
     print(f"Results: {results_dir}", file=sys.stderr)
     return {"phases": phases, "failed": failed, "results_dir": str(results_dir)}
-
-
-def _percent(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def table(phases: dict[str, dict[str, Any]]) -> str:
-    """The printed summary: a row per phase and contender, then each contender's matmul dtypes."""
-    lines = [
-        "| attention (axcore / pure) | contender | batch | step (s) | p10-p90 | tokens/s | MFU | MFU full square "
-        "| peak GiB | axcore/pure | first loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    dots = []
-    for attention, data in phases.items():
-        if "contenders" not in data:
-            lines.append(f"| {attention} | FAILED: {str(data.get('error', '?')).splitlines()[0][:120]} |||||||||")
-            continue
-        kernel = f"{attention} ({data['attention']['axcore_kernel']} / {data['attention']['pure_jax']})"
-        for name, c in data["contenders"].items():
-            s, peak = c["step_time_s"], c["peak_bytes_in_use"]
-            gib = "-" if peak is None else f"{peak / GIB:.2f}{'' if c['peak_bytes_exact'] else '*'}"
-            ratio = f"{data['ratio_axcore_over_pure_jax']['median']:.3f}" if name == "axcore" else ""
-            lines.append(
-                f"| {kernel} | {name} | {data['model']['batch']} | {s['median']:.4f} | {s['p10']:.4f}-{s['p90']:.4f} "
-                f"| {c['tokens_per_s']:,.0f} | {_percent(c['mfu'])} | {_percent(c['mfu_full_square'])} | {gib} "
-                f"| {ratio} | {c['first_step_loss']:.5f} |"
-            )
-            d = c["dots"]
-            dots.append(f"{attention} {name}: requested {d['requested']}; compiled {d['matmuls']}; "
-                        f"custom calls {d['custom_calls']}")
-    notes = ["", "Matmul dtypes (lhs x rhs -> out: count):", *dots, "(peak GiB with *: an upper bound; see docstring)"]
-    return "\n".join(lines + notes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""What a GPU train step costs and runs: model FLOPs, peak FLOP/s by device, and the dtype of every matmul.
+"""What a GPU train step costs and runs: model FLOPs, peak FLOP/s by device, the dtype of every matmul,
+and the printed summary table.
 
 Used by `benchmarks.gpu_step` (the formulas are stated in its docstring).
 """
@@ -10,6 +11,12 @@ import re
 from typing import Any
 
 from benchmarks.llama_jax import LlamaShape
+
+# The issue's targets, first-step loss agreement, and a GiB.
+TARGET_MFU = 0.55
+TARGET_RATIO = 1.05
+LOSS_RTOL = 1e-2
+GIB = 2**30
 
 # Dense bfloat16 tensor-core peak, TFLOP/s, NVIDIA data sheets (no sparsity). First match in
 # the lower-cased device kind wins, so the specific H100 variants come before "h100" (SXM).
@@ -131,3 +138,61 @@ def hlo_matmuls(text: str) -> dict[str, Any]:
         "matmul_shapes": dict(by_shape.most_common(60)),
         "custom_calls": dict(custom.most_common()),
     }
+
+
+# -- Summary rows and the printed table ---------------------------------------------------------------------
+
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def table(phases: dict[str, dict[str, Any]]) -> str:
+    """The printed summary: a row per phase and contender, then each contender's matmul dtypes."""
+    lines = [
+        "| attention (axcore / pure) | contender | batch | step (s) | p10-p90 | tokens/s | MFU | MFU full square "
+        "| peak GiB | axcore/pure | first loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    dots = []
+    for attention, data in phases.items():
+        if "contenders" not in data:
+            lines.append(f"| {attention} | FAILED: {str(data.get('error', '?')).splitlines()[0][:120]} |||||||||")
+            continue
+        kernel = f"{attention} ({data['attention']['axcore_kernel']} / {data['attention']['pure_jax']})"
+        for name, c in data["contenders"].items():
+            s, peak = c["step_time_s"], c["peak_bytes_in_use"]
+            gib = "-" if peak is None else f"{peak / GIB:.2f}{'' if c['peak_bytes_exact'] else '*'}"
+            ratio = f"{data['ratio_axcore_over_pure_jax']['median']:.3f}" if name == "axcore" else ""
+            lines.append(
+                f"| {kernel} | {name} | {data['model']['batch']} | {s['median']:.4f} | {s['p10']:.4f}-{s['p90']:.4f} "
+                f"| {c['tokens_per_s']:,.0f} | {_percent(c['mfu'])} | {_percent(c['mfu_full_square'])} | {gib} "
+                f"| {ratio} | {c['first_step_loss']:.5f} |"
+            )
+            d = c["dots"]
+            dots.append(f"{attention} {name}: requested {d['requested']}; compiled {d['matmuls']}; "
+                        f"custom calls {d['custom_calls']}")
+    notes = ["", "Matmul dtypes (lhs x rhs -> out: count):", *dots, "(peak GiB with *: an upper bound; see docstring)"]
+    return "\n".join(lines + notes)
+
+
+def headlines(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Summary rows (benchmarks.run's SUMMARY.md format)."""
+    tag = f"[{result['attention']['requested']}: {result['attention']['axcore_kernel']}]"
+    rows = []
+    for name, c in result["contenders"].items():
+        rows.append({"metric": f"{tag} {name} step (median s)", "value": round(c["step_time_s"]["median"], 4)})
+        rows.append({"metric": f"{tag} {name} tokens/s", "value": round(c["tokens_per_s"])})
+        row = {"metric": f"{tag} {name} MFU (causal half)", "value": None if c["mfu"] is None else round(c["mfu"], 4)}
+        if c["mfu"] is not None and not result["smoke"]:
+            row.update(target=f">= {TARGET_MFU}", passed=c["mfu"] >= TARGET_MFU)
+        rows.append(row)
+        gib = None if c["peak_bytes_in_use"] is None else round(c["peak_bytes_in_use"] / GIB, 2)
+        rows.append({"metric": f"{tag} {name} peak device memory (GiB)", "value": gib})
+    ratio = result["ratio_axcore_over_pure_jax"]["median"]
+    rows.append({"metric": f"{tag} axcore / pure JAX (median of per-round ratios)", "value": round(ratio, 4),
+                 "target": f"<= {TARGET_RATIO}", "passed": ratio <= TARGET_RATIO})
+    rows.append({"metric": f"{tag} first-step losses (rel. diff)", "value": f"{result['first_step_loss_rel_diff']:.1e}",
+                 "target": f"<= {LOSS_RTOL:g}", "passed": result["first_step_losses_agree"]})
+    return rows
