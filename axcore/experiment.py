@@ -20,6 +20,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import yaml
 
 from axcore.config import ConfigBase, InstantiableConfig, dump_flat, from_dict, parse_override
@@ -27,8 +29,10 @@ from axcore.config.serialize import flatten, format_value, nest_path, safe_load,
 from axcore.data import ByteTokenizer, InputConfig, Tokenizer
 from axcore.errors import ConfigError, PluginError, UnknownFieldError, did_you_mean
 from axcore.experiments import experiment_text
+from axcore.kernels import op_environment, record_kernel_choices
 from axcore.layers import CausalLM
 from axcore.mesh import detect_instance_type, select_mesh_rule
+from axcore.module import functional
 from axcore.plugins import (
     BUILTIN_DISTRIBUTION,
     AxcorePluginManager,
@@ -117,12 +121,6 @@ class Experiment:
         without a mesh (a kernel that needs devices it cannot see declines, as it would
         when compiling for them here).
         """
-        import jax  # Deferred: `Experiment` is built without touching a JAX backend.
-        import jax.numpy as jnp
-
-        from axcore.kernels import op_environment, record_kernel_choices
-        from axcore.module import functional
-
         model = self.config.model.instantiate(name="model", registries=self.registries)
         shape = (self.config.input.batch_size, self.config.input.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "target_labels")}
@@ -259,8 +257,6 @@ def _unknown_experiment(source: str, search: SearchResult) -> str:
 
 
 def _platform() -> str:
-    import jax  # Deferred: resolving a config needs JAX, --help does not.
-
     platform = jax.default_backend()
     return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
 
