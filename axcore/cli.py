@@ -2,8 +2,11 @@
 
     axcore train [EXPERIMENT] [--set PATH=VALUE ...]   train (default: built-in experiment)
     axcore config EXPERIMENT [--set ...]               resolved config, one `path: value` per line
+                              [--shardings]            instead: each array's sharding on the mesh
+                              [--kernels]              instead: each op call's kernel and the declines
     axcore plugins [EXPERIMENT]                        installed plugins and what they hook
-    axcore compile EXPERIMENT [--set ...]              ahead-of-time compile report, no training
+    axcore compile EXPERIMENT [--set ...] [--device-memory BYTES]
+                                                       ahead-of-time compile report, no training
     axcore loc                                         integration cost of each installed plugin
     axcore NAME [ARGS ...]                             a command added by a plugin
 
@@ -16,6 +19,7 @@ built-in command. Bad input (an AxcoreError) prints one line and exits with stat
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -59,6 +63,16 @@ def _add_experiment(parser: argparse.ArgumentParser, *, required: bool) -> None:
     )
 
 
+def _add_distributed(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "multi-process", "join a multi-process job (all three; or AXCORE_COORDINATOR_ADDRESS, "
+        "AXCORE_NUM_PROCESSES, AXCORE_PROCESS_ID; Slurm and JobSet variables are detected)"
+    )
+    group.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
+    group.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
+    group.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 .. N-1")
+
+
 def _overrides(args) -> list[str]:
     """The `--set` overrides, with `--mesh-selector` as `mesh.instance_type`."""
     selector = getattr(args, "mesh_selector", None)
@@ -70,12 +84,34 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     train = sub.add_parser("train", help="train a model from an experiment")
     _add_experiment(train, required=False)
+    _add_distributed(train)
     config = sub.add_parser("config", help="print the resolved config (one 'path: value' per line)")
     _add_experiment(config, required=True)
+    config.add_argument(
+        "--shardings",
+        action="store_true",
+        help="print instead how the batch, each parameter and the optimizer state are sharded on the "
+        "experiment's mesh (abstract: nothing allocated, any --mesh-selector size)",
+    )
+    config.add_argument(
+        "--kernels",
+        action="store_true",
+        help="print instead which kernel each op call of each layer uses for the experiment's instance type "
+        "(e.g. --mesh-selector gpu-h100-8) and why the kernels tried before it declined",
+    )
     plugins = sub.add_parser("plugins", help="list installed plugins")
     plugins.add_argument("experiment", nargs="?", help="mark the plugins this experiment enables")
-    compile_ = sub.add_parser("compile", help="compile the train step ahead of time and report cost")
+    compile_ = sub.add_parser(
+        "compile",
+        help="compile the train step ahead of time on abstract inputs (nothing allocated) and report "
+        "parameters, per-device bytes and FLOPs",
+    )
     _add_experiment(compile_, required=True)
+    compile_.add_argument(
+        "--device-memory",
+        metavar="BYTES",
+        help="fail (exit 2) if the estimated per-device peak exceeds this, e.g. 80GB, 80GiB, 96e9",
+    )
     sub.add_parser("loc", help="integration lines of code of each installed plugin (Markdown table)")
     return parser
 
@@ -84,7 +120,15 @@ def _cmd_train(args) -> int:
     from axcore.experiment import load_experiment
     from axcore.trainer.trainer import Trainer
 
-    experiment = load_experiment(args.experiment, _overrides(args), objects=args.objects)
+    from axcore.distributed import distributed_settings
+
+    distributed = distributed_settings(args.coordinator, args.num_processes, args.process_id)
+    # XLA flags are set, and the job joined, before anything starts JAX's backend.
+    experiment = load_experiment(
+        args.experiment, _overrides(args), objects=args.objects, apply_xla_flags=True, distributed=distributed
+    )
+    if os.environ.get(experiment.flags_variable):
+        print(f"{experiment.flags_variable}: {os.environ[experiment.flags_variable]}", file=sys.stderr)
     result = Trainer(experiment).run()
     eval_text = f", held-out loss {result.eval_loss:.3f}" if result.eval_loss is not None else ""
     print(f"Finished step {result.step}{eval_text}; run directory: {result.run_dir}", file=sys.stderr)
@@ -97,6 +141,16 @@ def _cmd_config(args) -> int:
     from axcore.kernels import describe_kernel_choices
 
     experiment = load_experiment(args.experiment, _overrides(args), objects=args.objects)
+    if getattr(args, "shardings", False):
+        from axcore.sharding_report import format_sharding_report, sharding_report
+
+        sys.stdout.write(format_sharding_report(sharding_report(experiment)))
+        return 0
+    if getattr(args, "kernels", False):
+        from axcore.kernels import format_kernel_decisions
+
+        sys.stdout.write(format_kernel_decisions(experiment.kernel_decisions()))
+        return 0
     sys.stdout.write(experiment.flat())
     for op, kernels in describe_kernel_choices(experiment.kernel_choices()).items():
         sys.stdout.write(f"# kernel {op}: {kernels}\n")
@@ -125,11 +179,17 @@ def _cmd_plugins(args) -> int:
 
 
 def _cmd_compile(args) -> int:
-    from axcore.compile_report import compile_report
+    """Prints the compile report; with --device-memory, then an AxcoreError (exit 2) if the peak exceeds it."""
+    from axcore import compile_report as cr
     from axcore.experiment import load_experiment
 
-    for key, value in compile_report(load_experiment(args.experiment, _overrides(args), objects=args.objects)).items():
-        print(f"{key}: {value}")
+    limit = None if args.device_memory is None else cr.parse_bytes(args.device_memory, cr.DEVICE_MEMORY_FLAG)
+    experiment = load_experiment(args.experiment, _overrides(args), objects=args.objects, apply_xla_flags=True)
+    report = cr.compile_report(experiment)
+    sys.stdout.write(cr.format_report(report))
+    sys.stdout.flush()
+    if limit is not None:
+        cr.check_device_memory(report, limit)
     return 0
 
 

@@ -16,7 +16,9 @@ the first matching mesh rule fills the mesh and applies its config modifiers.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,14 +26,23 @@ import jax
 import jax.numpy as jnp
 import yaml
 
-from axcore.config import ConfigBase, InstantiableConfig, dump_flat, from_dict, parse_override
+from axcore.config import REQUIRED, ConfigBase, InstantiableConfig, dump_flat, from_dict, parse_override
 from axcore.config.serialize import flatten, format_value, nest_path, safe_load, to_dict
 from axcore.data import ByteTokenizer, InputConfig, Tokenizer
-from axcore.errors import ConfigError, PluginError, UnknownFieldError, did_you_mean
+from axcore.config_modifiers import apply_modifier, build_modifier, describe_modifier
+from axcore.errors import (
+    AxcoreError,
+    ConfigError,
+    MissingRequiredError,
+    PluginError,
+    UnknownComponentError,
+    UnknownFieldError,
+    did_you_mean,
+)
 from axcore.experiments import experiment_text
-from axcore.kernels import op_environment, record_kernel_choices
+from axcore.kernels import KernelDecision, current_platform, op_environment, record_kernel_choices, record_kernel_decisions
 from axcore.layers import CausalLM
-from axcore.mesh import detect_instance_type, select_mesh_rule
+from axcore.mesh import MeshRule, detect_instance_type, select_mesh_rule
 from axcore.module import functional
 from axcore.plugins import (
     BUILTIN_DISTRIBUTION,
@@ -40,10 +51,15 @@ from axcore.plugins import (
     autoload_disabled,
     create_plugin_manager,
     installed_entry_points,
+    probe_instance_type,
 )
 from axcore.registry import Registration, Registry
 from axcore.trainer.config import TrainerConfig, check_trainer_config
 from axcore.trainer.learner import check_component
+from axcore.distributed import DistributedSettings, initialize_distributed
+from axcore.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
+
+logger = logging.getLogger(__name__)
 
 
 class MeshConfig(ConfigBase):
@@ -59,6 +75,25 @@ class MeshConfig(ConfigBase):
     mesh_axis_names: tuple[str, ...] | None = None
     # Logical axis -> mesh axis (or list of axes, or null); None = the rule's.
     axis_rules: dict[str, Any] | None = None
+
+
+class MeshRuleConfig(ConfigBase):
+    """An experiment's own mesh rule (a `mesh_rules:` entry); precedence in `axcore.mesh`."""
+
+    # Rule name (shown as mesh.rule; mesh.rule may name it).
+    name: str = REQUIRED
+    # Regular expression that must fully match the instance type, e.g. 'gpu-h100-.*'.
+    instance_type: str = REQUIRED
+    # Mesh shape (-1 = all remaining devices).
+    mesh_shape: tuple[int, ...] = (-1,)
+    # One name per mesh dimension.
+    mesh_axis_names: tuple[str, ...] = ("data",)
+    # Logical axis -> mesh axis (or list of axes, or null).
+    axis_rules: dict[str, Any] = {}
+    # Config modifiers applied in order: {type: NAME, ...arguments} (axcore.config_modifiers).
+    modifiers: list[dict[str, Any]] = []
+    # None = tried before every registered rule; a number sorts it among them (first on ties).
+    priority: int | None = None
 
 
 def default_model() -> InstantiableConfig:
@@ -87,6 +122,10 @@ class ExperimentConfig(ConfigBase):
     trainer: TrainerConfig = TrainerConfig()
     # Device mesh.
     mesh: MeshConfig = MeshConfig()
+    # The experiment's own mesh rules, tried before registered ones (see axcore.mesh).
+    mesh_rules: list[MeshRuleConfig] = []
+    # XLA flags {name: value} (no leading --) over the plugins' for the instance type; null removes one.
+    xla_flags: dict[str, Any] = {}
 
 
 @dataclasses.dataclass
@@ -99,28 +138,47 @@ class Experiment:
     settings: dict[str, ConfigBase | None]
     # The file or built-in name it came from.
     source: str
+    # The mesh rule applied and its origin, e.g. "gpu-h100 (plugin gpu)".
+    mesh_rule: str = ""
+    # The config modifiers it applied, in order, e.g. ["compute_dtype(compute='bfloat16')"].
+    mesh_modifiers: list[str] = dataclasses.field(default_factory=list)
+    # Environment variable the resolved `xla_flags` go to (XLA_FLAGS, LIBTPU_INIT_ARGS, NEURON_CC_FLAGS, ...).
+    flags_variable: str = "XLA_FLAGS"
 
     @property
     def registries(self):
         return self.plugin_manager.registries
 
     def flat(self) -> str:
-        """`path: value` lines: the config, then each plugin's settings under its name."""
+        """`path: value` lines: the config, then each plugin's settings under its name, then a
+        `# mesh rule: NAME (ORIGIN); modifiers: ...` line (the rule applied and what it changed)."""
         text = dump_flat(self.config, self.registries)
         for name, settings in self.settings.items():
             if settings is not None:
                 for path, value in flatten(settings, self.registries):
                     text += f"{name}.{path}: {format_value(value)}\n"
+        if self.flags_variable != "XLA_FLAGS":
+            text += f"# xla_flags go to {self.flags_variable}\n"
+        if self.mesh_rule:
+            text += f"# mesh rule: {self.mesh_rule}; modifiers: {', '.join(self.mesh_modifiers) or 'none'}\n"
         return text
 
     def kernel_choices(self) -> dict[str, dict[str, list[str]]]:
-        """Which kernel each op call of the model selects here: `{op: {kernel: [site, ...]}}`.
+        """Which kernel each op call of the model selects: `{op: {kernel: [site, ...]}}` (see `kernel_decisions`)."""
+        return self._trace_kernels()[0]
+
+    def kernel_decisions(self) -> list[KernelDecision]:
+        """One `KernelDecision` per op call of the model: the kernel, and why the ones before it declined.
 
         Traces the training loss abstractly (`jax.eval_shape`, nothing is computed or
-        allocated) on a batch of the input's shape, inside the run's op environment
-        without a mesh (a kernel that needs devices it cannot see declines, as it would
-        when compiling for them here).
+        allocated) on a batch of the input's shape, for the experiment's instance type:
+        problems carry its platform (`gpu-h100-8` -> gpu, also on a CPU machine) and the
+        op environment its instance type, without a mesh (a kernel that needs devices it
+        cannot see may decline, as it would when compiling for them here).
         """
+        return self._trace_kernels()[1]
+
+    def _trace_kernels(self) -> tuple[dict[str, dict[str, list[str]]], list[KernelDecision]]:
         model = self.config.model.instantiate(name="model", registries=self.registries)
         shape = (self.config.input.batch_size, self.config.input.seq_len)
         batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "target_labels")}
@@ -128,10 +186,16 @@ class Experiment:
         def loss(params, batch):
             return functional(model, params, (batch,), jax.random.key(0), True)[0][0]
 
-        params = model.abstract_parameters()  # Outside the recording: declaring kernel state selects too.
-        with op_environment(None, self.config.mesh.axis_rules), record_kernel_choices() as choices:
-            jax.eval_shape(loss, params, batch)
-        return choices
+        instance_type = self.config.mesh.instance_type
+        platform = instance_type.split("-", 1)[0] if instance_type else None
+        # Another platform's kernels are chosen for it but may not run here: the references compute.
+        stand_in = platform is not None and platform != current_platform()
+        target = {"instance_type": instance_type, "platform": platform, "stand_in": stand_in}
+        with op_environment(None, self.config.mesh.axis_rules, **target):
+            params = model.abstract_parameters()  # Outside the recording: declaring kernel state selects too.
+            with record_kernel_choices() as choices, record_kernel_decisions() as decisions:
+                jax.eval_shape(loss, params, batch)
+        return choices, decisions
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved experiment as YAML-safe data (config plus plugin settings)."""
@@ -278,6 +342,8 @@ def load_experiment(
     *,
     objects: dict[str, Any] | None = None,
     platform: str | None = None,
+    apply_xla_flags: bool = False,
+    distributed: DistributedSettings | None = None,
 ) -> Experiment:
     """Reads, overrides, transforms and lays out an experiment.
 
@@ -291,7 +357,15 @@ def load_experiment(
             experiments can be loaded by name.
         platform: hardware platform whose plugin is autoloaded; None = the platform of
             the selected `mesh.instance_type` (its prefix: `gpu-h100-8` -> gpu), so a GPU
-            experiment resolves on a CPU machine, else the running JAX backend's.
+            experiment resolves on a CPU machine, else this machine's (probed without
+            starting JAX where a plugin can tell, see `axcore.xla_flags`).
+        apply_xla_flags: set the resolved `xla_flags` in the XLA_FLAGS environment
+            variable before JAX's backend starts (what `axcore train` does). Applied
+            only when the instance type is this machine's platform and was known
+            before the backend started; otherwise a warning names what was not applied.
+        distributed: join this multi-process job (`axcore.distributed`) right after the
+            XLA flags are set and before JAX's backend starts (devices are counted over
+            every process).
 
     Raises:
         AxcoreError subclasses naming the offending file, key, path or plugin.
@@ -305,7 +379,12 @@ def load_experiment(
     if not isinstance(plugins, list):
         raise ConfigError(f"{label}: 'plugins' must be a list of plugin names, got {plugins!r}.")
     selected = _selected_instance_type(raw, parsed)
-    platform = platform or (selected.split("-", 1)[0] if selected else _platform())
+    # Asked before anything starts JAX's backend, so that XLA flags can still take effect.
+    probed = probe_instance_type() if (apply_xla_flags or not selected) else None
+    known_type = selected or probed
+    if known_type is None:  # _platform() starts the backend: the job must be joined first.
+        initialize_distributed(distributed)
+    platform = platform or (known_type.split("-", 1)[0] if known_type else _platform())
     manager = create_plugin_manager(plugins, objects=objects, platform=platform)
     plugin_names = [PluginRequest.parse(p).name for p in plugins]
     fields = ExperimentConfig().keys()
@@ -331,9 +410,54 @@ def load_experiment(
     config = manager.transform_config(config, settings)
     if not isinstance(config, ExperimentConfig):
         raise ConfigError("A plugin's config transform replaced the experiment root; transform its parts only.")
-    config = resolve_mesh(config, manager)
+    if known_type is not None:
+        config = resolve_experiment_xla_flags(config, manager, known_type)
+        flags_variable = manager.flags_environment(known_type)
+        if apply_xla_flags:
+            _apply_flags(config.xla_flags, known_type, probed, flags_variable)
+        initialize_distributed(distributed)
+    config, mesh_rule, mesh_modifiers = layout_mesh(config, manager)
+    if known_type is None:  # Known only now that the backend has started: listed, too late to apply.
+        config = resolve_experiment_xla_flags(config, manager, config.mesh.instance_type)
+        flags_variable = manager.flags_environment(config.mesh.instance_type)
+        if apply_xla_flags:
+            _apply_flags(config.xla_flags, config.mesh.instance_type, None, flags_variable)
     check_experiment_config(config, manager)
-    return Experiment(config, manager, settings, label)
+    return Experiment(config, manager, settings, label, mesh_rule, mesh_modifiers, flags_variable)
+
+
+def resolve_experiment_xla_flags(
+    config: ExperimentConfig, manager: AxcorePluginManager, instance_type: str
+) -> ExperimentConfig:
+    """A copy of `config` whose `xla_flags` are the plugins' for `instance_type` updated by its own."""
+    new = config.clone()
+    new.xla_flags = resolve_xla_flags(manager.xla_flags(instance_type), config.xla_flags or {})
+    return new
+
+
+def _apply_flags(flags: Mapping[str, str], instance_type: str, probed: str | None, variable: str) -> None:
+    """Sets `flags` in `variable` (XLA_FLAGS, ...) if they are for this machine and the backend has not started."""
+    if not flags:
+        return
+    machine = probed.split("-", 1)[0] if probed else None
+    if machine != instance_type.split("-", 1)[0]:
+        why = (
+            f"this machine was probed as {probed}"
+            if probed
+            else "no plugin could tell this machine's platform before JAX started (set JAX_PLATFORMS "
+            "or install the hardware plugin)"
+        )
+        logger.warning(
+            "XLA flags for %s not applied: %s. Put them in the %s environment variable to force them: %s",
+            instance_type,
+            why,
+            variable,
+            format_xla_flags(flags, variable),
+        )
+        return
+    added = apply_xla_flags(flags, variable=variable)
+    if added:
+        logger.info("%s set for %s: %s", variable, instance_type, format_xla_flags(added, variable))
 
 
 def check_experiment_config(config: ExperimentConfig, manager: AxcorePluginManager) -> None:
@@ -341,6 +465,11 @@ def check_experiment_config(config: ExperimentConfig, manager: AxcorePluginManag
     registries = manager.registries
     check_component(config.tokenizer, Tokenizer, "tokenizer", names=registries.tokenizers.names())
     check_trainer_config(config.trainer, registries)
+    if config.input.batch_size % config.trainer.microbatches:
+        raise ConfigError(
+            f"'input.batch_size' ({config.input.batch_size}) must be divisible by 'trainer.microbatches' "
+            f"({config.trainer.microbatches})."
+        )
 
 
 def _deep_merge(into: dict, update: dict) -> None:
@@ -352,26 +481,107 @@ def _deep_merge(into: dict, update: dict) -> None:
 
 
 def resolve_mesh(config: ExperimentConfig, manager: AxcorePluginManager) -> ExperimentConfig:
-    """Fills `config.mesh` from the matching mesh rule and applies its config modifiers."""
+    """Fills `config.mesh` from the selected mesh rule and applies its config modifiers (see `layout_mesh`)."""
+    return layout_mesh(config, manager)[0]
+
+
+# Mesh fields an experiment may set itself; set ones win over the rule and its modifiers.
+_MESH_FIELDS = ("mesh_shape", "mesh_axis_names", "axis_rules")
+
+
+def layout_mesh(config: ExperimentConfig, manager: AxcorePluginManager) -> tuple[ExperimentConfig, str, list[str]]:
+    """The config laid out by its mesh rule, the rule (with its origin) and the modifiers it applied.
+
+    The rule is `mesh.rule` if set, else the first of the experiment's `mesh_rules:`
+    and the registered rules that matches `mesh.instance_type` (detected if unset),
+    by the precedence in `axcore.mesh`. Unset `mesh.*` fields are filled from the
+    rule, then its modifiers run in order; mesh fields the experiment set win over
+    both.
+
+    Raises:
+        AxcoreError subclasses naming the offending `mesh_rules[i]` entry, rule or modifier.
+    """
     config = config.clone()
     mesh = config.mesh
-    rules = manager.registries.mesh_rules
+    registries = manager.registries
+    registered = registries.mesh_rules
+    local = local_mesh_rules(config, manager)
     if mesh.instance_type is None:
         mesh.instance_type = detect_instance_type()
-    rule = rules[mesh.rule] if mesh.rule is not None else select_mesh_rule([rules[n] for n in rules], mesh.instance_type)
+    if mesh.rule is None:
+        rule = select_mesh_rule(registered, mesh.instance_type, local=local)
+    else:
+        rule = next((r for r in local if r.name == mesh.rule), None)
+        if rule is None and mesh.rule not in registered:
+            names = [r.name for r in local] + registered.names()
+            raise UnknownComponentError(
+                f"'mesh.rule' names no mesh rule '{mesh.rule}'{did_you_mean(mesh.rule, names)}; rules: {', '.join(names)}."
+            )
+        rule = rule or registered[mesh.rule]
+    index = next((i for i, r in enumerate(local) if r is rule), None)
+    origin = f"experiment mesh_rules[{index}]" if index is not None else f"plugin {registered.entry(rule.name).provenance.plugin}"
+    explicit = {name: getattr(mesh, name) for name in _MESH_FIELDS if getattr(mesh, name) is not None}
     mesh.rule = rule.name
-    if mesh.mesh_shape is None:
-        mesh.mesh_shape = tuple(rule.mesh_shape)
-    if mesh.mesh_axis_names is None:
-        mesh.mesh_axis_names = tuple(rule.mesh_axis_names)
-    if mesh.axis_rules is None:
-        mesh.axis_rules = {k: (list(v) if isinstance(v, tuple) else v) for k, v in rule.axis_rules.items()}
+    mesh.mesh_shape = tuple(rule.mesh_shape)
+    mesh.mesh_axis_names = tuple(rule.mesh_axis_names)
+    mesh.axis_rules = {k: (list(v) if isinstance(v, tuple) else v) for k, v in rule.axis_rules.items()}
+    applied = []
     for modifier in rule.config_modifiers:
-        new = modifier(config)
+        name = describe_modifier(modifier)
+        try:
+            new = apply_modifier(modifier, config, registries)
+        except AxcoreError as e:
+            raise type(e)(f"Mesh rule '{rule.name}' ({origin}): {e}") from None
         if not isinstance(new, ExperimentConfig):
             raise ConfigError(
-                f"Config modifier {getattr(modifier, '__name__', modifier)!r} of mesh rule "
-                f"'{rule.name}' returned {type(new).__name__}; modifiers must return the new config."
+                f"Config modifier {name} of mesh rule '{rule.name}' ({origin}) returned {type(new).__name__}; "
+                f"modifiers must return the new config."
             )
         config = new
-    return config
+        applied.append(name)
+    config.mesh.set(**explicit)
+    shape, axes = config.mesh.mesh_shape, config.mesh.mesh_axis_names
+    if len(shape) != len(axes):
+        raise ConfigError(
+            f"mesh.mesh_shape {list(shape)} and mesh.mesh_axis_names {list(axes)} differ in length (mesh rule "
+            f"'{rule.name}', {origin}; the experiment set {', '.join(f'mesh.{n}' for n in explicit) or 'neither'}); "
+            f"set both."
+        )
+    return config, f"{rule.name} ({origin})", applied
+
+
+def local_mesh_rules(config: ExperimentConfig, manager: AxcorePluginManager) -> list[MeshRule]:
+    """The experiment's `mesh_rules:` as `MeshRule`s, each checked; errors name `mesh_rules[i]...`."""
+    registries = manager.registries
+    rules: list[MeshRule] = []
+    for i, entry in enumerate(config.mesh_rules):
+        where = f"mesh_rules[{i}]"
+        missing = entry.missing_required()
+        if missing:
+            raise MissingRequiredError(
+                f"'{where}' needs {' and '.join(missing)}: a name, and a regular expression over instance types."
+            )
+        if entry.name in [r.name for r in rules]:
+            raise ConfigError(f"'{where}.name': another entry of mesh_rules is named '{entry.name}'; rename one.")
+        if entry.name in registries.mesh_rules:
+            raise ConfigError(
+                f"'{where}.name': '{entry.name}' is a mesh rule of "
+                f"{registries.mesh_rules.entry(entry.name).provenance} already; choose another name."
+            )
+        try:
+            re.compile(entry.instance_type)
+        except re.error as e:
+            raise ConfigError(f"'{where}.instance_type': '{entry.instance_type}' is not a regular expression: {e}.") from None
+        shape, axes = tuple(entry.mesh_shape), tuple(entry.mesh_axis_names)
+        if len(shape) != len(axes) or shape.count(-1) > 1 or any(d < 1 and d != -1 for d in shape):
+            raise ConfigError(
+                f"'{where}': mesh_shape {list(shape)} needs positive sizes (one -1 at most), one per name of "
+                f"mesh_axis_names {list(axes)}."
+            )
+        modifiers = tuple(
+            build_modifier(spec, registries, f"{where}.modifiers[{j}]") for j, spec in enumerate(entry.modifiers)
+        )
+        rules.append(
+            MeshRule(entry.name, entry.instance_type, shape, axes, dict(entry.axis_rules), modifiers, entry.priority)
+        )
+    return rules

@@ -45,7 +45,7 @@ import numpy as np
 import axcore
 from axcore import hookimpl
 from axcore.config import ConfigBase, InstantiableConfig, flatten, replace, walk
-from axcore.experiment import builtin_experiments, load_experiment
+from axcore.experiment import builtin_experiments, load_experiment, read_experiment_file
 from axcore.module import functional
 from axcore.plugins import _load_entry_point, installed_entry_points
 
@@ -293,6 +293,14 @@ class CoreUsage:
     errors: dict[str, str]
 
 
+def probe_experiments() -> list[str]:
+    """Built-in experiments that enable no plugin themselves (so each plugin can be probed alone).
+
+    Shape presets such as `llama2_7b` list `plugins:` of their own and are left out.
+    """
+    return [name for name in builtin_experiments() if not read_experiment_file(name)[0].get("plugins")]
+
+
 def core_usage(
     plugins: Sequence[str], experiments: Sequence[str] | None = None, *, objects: Mapping[str, Any] | None = None
 ) -> dict[str, CoreUsage]:
@@ -304,10 +312,10 @@ def core_usage(
 
     Args:
         plugins: plugin names (installed, or keys of `objects`).
-        experiments: built-in experiment names; None = all.
+        experiments: built-in experiment names; None = `probe_experiments()`.
         objects: plugin objects by name, as for `load_experiment`.
     """
-    experiments = list(experiments or builtin_experiments())
+    experiments = list(experiments or probe_experiments())
     objects = {BASELINE_PLUGIN: _Baseline(), **(objects or {})}
     runs: dict[tuple[str, str | None], Probe] = {}
     errors: dict[str, dict[str, str]] = {name: {} for name in plugins}
@@ -370,7 +378,7 @@ def layers_touched(experiment_name: str, plugin: str) -> int:
 
 def loc_report(families: list[str] | None = None) -> list[PluginLoc]:
     """One row per installed plugin (feature plugins and any others in the group)."""
-    families = families or builtin_experiments()
+    families = families or probe_experiments()
     loaded = {name: _load_entry_point(name, eps) for name, eps in sorted(installed_entry_points().items())}
     usage = core_usage(list(loaded), families)
     rows = []

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from axcore.config import ClassConfig, Configurable
 from axcore.errors import AxcoreError
@@ -154,11 +155,45 @@ def _in_context(method: Callable) -> Callable:
         ctx = current_context()
         if ctx is not None and ctx.module is self:
             return method(self, *args, **kwargs)
-        with _Enter(_context_for(self)):
-            return method(self, *args, **kwargs)
+        return _call(self, method.__name__, functools.partial(method, self), _context_for(self), args, kwargs)
 
     wrapper.__axcore_in_context__ = True
     return wrapper
+
+
+def _call(module: Module, name: str, fn: Callable, ctx: InvocationContext, args: tuple, kwargs: dict) -> Any:
+    """`fn(*args, **kwargs)` in `ctx`; under `jax.checkpoint` if `module._checkpoint_policy(name)` gives a policy."""
+    policy = module._checkpoint_policy(name)
+    if policy is None:
+        with _Enter(ctx):
+            return fn(*args, **kwargs)
+    # jax.checkpoint needs a pure function: parameters, key and array inputs go in as arguments
+    # (other inputs are constants), and the output collection comes back as an output.
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray))]
+
+    def pure(state, prng_key, arrays):
+        inputs = list(leaves)
+        for i, array in zip(traced, arrays):
+            inputs[i] = array
+        call_args, call_kwargs = jax.tree.unflatten(treedef, inputs)
+        collection = OutputCollection.empty()
+        with _Enter(dataclasses.replace(ctx, state=state, prng_key=prng_key, output_collection=collection)):
+            outputs = fn(*call_args, **call_kwargs)
+        return outputs, tuple(_prune(d) for d in collection)
+
+    outputs, collected = jax.checkpoint(pure, policy=policy)(ctx.state, ctx.prng_key, [leaves[i] for i in traced])
+    for mine, new in zip(ctx.output_collection, collected):
+        _merge(mine, new)
+    return outputs
+
+
+def _merge(into: dict, update: dict) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def no_context(method: Callable) -> Callable:
@@ -255,6 +290,10 @@ class Module(Configurable):
 
     def forward(self, *args, **kwargs) -> Any:
         raise NotImplementedError(f"{type(self).__name__} does not define forward().")
+
+    def _checkpoint_policy(self, method: str) -> Callable | None:
+        """The `jax.checkpoint` policy that calls of `method` run under (rematerialization); None = none."""
+        return None
 
     # -- Parameters ---------------------------------------------------------------
 
@@ -405,12 +444,9 @@ def functional(
     """
     collection = OutputCollection.empty()
     ctx = InvocationContext(module, state, prng_key, is_training, collection)
-    fn = getattr(module, method)
-    with _Enter(ctx):
-        if isinstance(inputs, dict):
-            outputs = fn(**inputs)
-        elif isinstance(inputs, tuple):
-            outputs = fn(*inputs)
-        else:
-            outputs = fn(inputs)
+    if isinstance(inputs, dict):
+        args, kwargs = (), inputs
+    else:
+        args, kwargs = (inputs if isinstance(inputs, tuple) else (inputs,)), {}
+    outputs = _call(module, method, getattr(module, method), ctx, args, kwargs)
     return outputs, OutputCollection(*(_prune(d) for d in collection))

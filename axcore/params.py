@@ -40,10 +40,18 @@ class ParameterSpec:
     # False for state the optimizer never updates (e.g. a kernel's quantization scales);
     # its new value comes from the step's `state_updates`.
     trainable: bool = True
+    # Only with trainable=False: the step's gradient of this parameter IS its new value (a kernel's
+    # custom VJP returns the new value as the cotangent, e.g. an fp8 gradient's amax history).
+    overwrite_with_gradient: bool = False
 
     def __post_init__(self):
         if self.mesh_axes is not None and len(self.mesh_axes) != len(self.shape):
             raise ValueError(f"mesh_axes {self.mesh_axes} do not match shape {self.shape}.")
+        if self.overwrite_with_gradient and self.trainable:
+            raise ValueError(
+                "overwrite_with_gradient=True needs trainable=False: the optimizer must not also update a "
+                "parameter whose new value is its gradient."
+            )
 
     def abstract(self) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(self.shape, self.dtype)

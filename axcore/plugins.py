@@ -14,7 +14,9 @@ import dataclasses
 import importlib
 import importlib.metadata
 import inspect
+import logging
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,6 +30,7 @@ from axcore.config import ConfigBase, from_dict
 from axcore.errors import (
     ConfigError,
     NoMatchError,
+    PluginConflictError,
     PluginError,
     PluginLoadError,
     PluginVersionError,
@@ -36,6 +39,9 @@ from axcore.errors import (
 )
 from axcore.registry import FamilyHook, Provenance, Registries, family_hook
 from axcore.write_log import WriteLog
+from axcore.xla_flags import check_flag_name, flag_value
+
+logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "axcore"
 DISABLE_AUTOLOAD_ENV = "AXCORE_DISABLE_PLUGIN_AUTOLOAD"
@@ -48,6 +54,7 @@ BUILTIN_PLUGINS = (
     "axcore.layers.plugin",
     "axcore.kernels.plugin",
     "axcore.mesh",
+    "axcore.config_modifiers",
     "axcore.data.plugin",
     "axcore.checkpoint.plugin",
     "axcore.trainer.plugin",
@@ -223,6 +230,51 @@ class AxcorePluginManager:
         others = [p for p in self.pm.get_plugins() if p is not info.plugin]
         return self.pm.subset_hook_caller(hook_name, remove_plugins=others)(**kwargs)
 
+    def xla_flags(self, instance_type: str) -> dict[str, str]:
+        """Every enabled plugin's `axcore_xla_flags(instance_type)`, merged (values as strings).
+
+        Raises:
+            PluginConflictError: two plugins give one flag different values (naming both).
+            PluginLoadError: a plugin returned something other than a mapping of flags.
+        """
+        flags: dict[str, str] = {}
+        owners: dict[str, str] = {}
+        for info in self.enabled:
+            for answer in self._call(info, "axcore_xla_flags", instance_type=instance_type):
+                if not isinstance(answer, Mapping):
+                    raise PluginLoadError(
+                        f"Plugin '{info.name}' ({info.distribution}): axcore_xla_flags returned "
+                        f"{type(answer).__name__}; return a dict of flag -> value, or None."
+                    )
+                for name, value in answer.items():
+                    where = f"flag {name} of plugin '{info.name}'"
+                    value = flag_value(value, where)
+                    if name in flags and flags[name] != value:
+                        raise PluginConflictError(
+                            f"Plugins '{owners[name]}' and '{info.name}' set XLA flag {check_flag_name(name, where)} "
+                            f"to {flags[name]!r} and {value!r}; choose one in the experiment's xla_flags."
+                        )
+                    flags[check_flag_name(name, where)] = value
+                    owners.setdefault(name, info.name)
+        return flags
+
+    def flags_environment(self, instance_type: str) -> str:
+        """The variable carrying compiler flags for `instance_type` (plugins' answer, else XLA_FLAGS).
+
+        Raises:
+            PluginConflictError: two plugins name different variables (naming both).
+        """
+        chosen: tuple[str, str] | None = None
+        for info in self.enabled:
+            for name in self._call(info, "axcore_flags_environment", instance_type=instance_type):
+                if chosen is not None and chosen[1] != name:
+                    raise PluginConflictError(
+                        f"Plugins '{chosen[0]}' and '{info.name}' want the compiler flags of {instance_type} in "
+                        f"{chosen[1]} and {name}; uninstall or unlist one of them."
+                    )
+                chosen = (info.name, str(name))
+        return chosen[1] if chosen else "XLA_FLAGS"
+
     def _family_hooks(self) -> list[tuple[str, FamilyHook]]:
         """(hook name, family declaration) of every registration hookspec, sorted by hook name."""
         found = []
@@ -309,6 +361,63 @@ class AxcorePluginManager:
                 writes.record(info.name, config, new)
                 config = new
         return config
+
+
+# Platforms whose hardware plugin (the entry point of that name) may say, before JAX starts,
+# whether this machine has its devices; a platform's plugin is named after it to autoload.
+HARDWARE_PLATFORMS = ("gpu", "tpu", "neuron")
+# CPU devices JAX creates, from XLA_FLAGS (1 when the flag is absent).
+_HOST_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def _jax_platforms() -> str:
+    """JAX's `jax_platforms` setting (JAX_PLATFORMS), read without starting a backend."""
+    import jax  # Reading a config option starts no backend.
+
+    return jax.config.jax_platforms or ""
+
+
+def probe_instance_type() -> str | None:
+    """This machine's instance type, found without starting JAX's backend, or None.
+
+    JAX_PLATFORMS naming `cpu` first gives `cpu-N` (N from the host-device-count flag);
+    otherwise the installed hardware plugins (the entry points named after a platform
+    of `HARDWARE_PLATFORMS`, as hardware plugins are named so that they autoload) are
+    asked through `axcore_probe_instance_type`, in that order, the first non-None answer
+    winning. Other plugins are never imported here (start-up stays cheap).
+    Autoloading disabled (AXCORE_DISABLE_PLUGIN_AUTOLOAD) asks no plugin.
+
+    A plugin that fails to import or whose probe raises is skipped with a warning naming
+    it (the run may not use it; loading it by name reports the error).
+    """
+    platforms = [p for p in _jax_platforms().split(",") if p]
+    if platforms and platforms[0] == "cpu":
+        count = _HOST_DEVICE_COUNT.search(os.environ.get("XLA_FLAGS", ""))
+        return f"cpu-{count[1] if count else 1}"
+    if autoload_disabled():
+        return None
+    installed = installed_entry_points()
+    for name in HARDWARE_PLATFORMS:
+        entry_points = installed.get(name, [])
+        if len(entry_points) != 1:
+            continue  # None, or ambiguous (reported when the plugin is loaded by name).
+        try:
+            module = entry_points[0].load()
+            probe = getattr(module, "axcore_probe_instance_type", None)
+            found = probe() if callable(probe) else None
+        except Exception as e:  # An installed plugin the run may not use: warned about by name, then skipped.
+            logger.warning(
+                "Plugin '%s' failed while probing the instance type (%s: %s); skipped. 'axcore plugins' "
+                "shows its state; uninstall it or name the instance with --mesh-selector.",
+                name,
+                type(e).__name__,
+                e,
+            )
+            continue
+        if found:
+            logger.debug("Plugin '%s' probed instance type %s.", name, found)
+            return str(found)
+    return None
 
 
 def builtin_registries() -> Registries:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from axcore.kernels.dot import wide_result
-from axcore.kernels.registry import Op, Problem, Support, unknown_extras
+from axcore.kernels.registry import Op, Problem, Support, current_platform, unknown_extras
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,7 +79,7 @@ class AttentionProblem(Problem):
         """The problem of arrays q `[b, t, n, h]`, k `[b, s, kv, h]`; `fields` are the flags above."""
         fields.setdefault("scale", 1.0 / float(np.sqrt(q.shape[3])))
         return cls(
-            platform=platform or jax.default_backend(),
+            platform=platform or current_platform(),
             batch=q.shape[0],
             q_len=q.shape[1],
             kv_len=k.shape[1],

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axcore.kernels.registry import Op, Problem, Support, unknown_extras
+from axcore.kernels.registry import Op, Problem, Support, current_platform, unknown_extras
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -196,7 +196,7 @@ def dot_problem(
     """A DotProblem for arrays (or ShapeDtypeStructs) x and w."""
     compute = np.dtype(compute_dtype)
     return DotProblem(
-        platform=platform or jax.default_backend(),
+        platform=platform or current_platform(),
         mesh=mesh,
         input_specs=input_specs,
         extras=dict(extras or {}),

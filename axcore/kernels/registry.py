@@ -61,6 +61,11 @@ class Kernel(Protocol):
     among its parameters (under `kernel_state/<site>`), calls the kernel with
     `state=` that tree (gradient stopped), and the kernel returns `(output,
     new_state)`; `new_state` (or None) becomes the site's state after the step.
+    State known only in the backward pass (e.g. an fp8 gradient's amax history) is
+    declared with `ParameterSpec(trainable=False, overwrite_with_gradient=True)`: it is
+    not gradient-stopped, the kernel's custom VJP returns its new value as its
+    cotangent, and the train step stores that gradient as its value (zero if the site
+    is unused in the step, the sum if it is used more than once).
     """
 
     name: str
@@ -79,6 +84,14 @@ class OpEnvironment:
     mesh: Any = None
     # Logical axis -> mesh axis (or axes, or None).
     axis_rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Platform the computation is for ("gpu", "tpu", ...); None = JAX's default backend. Set when
+    # resolving for another machine (`--mesh-selector`), so kernels answer for that target.
+    platform: str | None = None
+    # The run's instance type (e.g. gpu-h100-8), or None; kernels may read a device kind from it.
+    instance_type: str | None = None
+    # Resolving for another machine: kernels are selected (and recorded) for the target, but the
+    # op's reference kernel computes, since the target's kernels may not run here.
+    stand_in: bool = False
 
 
 _ENVIRONMENT: contextvars.ContextVar[OpEnvironment] = contextvars.ContextVar(
@@ -107,6 +120,56 @@ def record_kernel_choices() -> Iterator[dict[str, dict[str, list[str]]]]:
         _CHOICES.reset(token)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelDecision:
+    """Which kernel one op call (site) got, and why the kernels tried before it declined."""
+
+    # Op name, e.g. "attention".
+    op: str
+    # Dotted path of the call site (the problem's `site`), "?" if it has none.
+    site: str
+    # The kernel selected.
+    kernel: str
+    # (kernel, reason) of each higher-priority kernel that declined, in the order tried.
+    declined: tuple[tuple[str, str], ...] = ()
+    # True when a layer's `kernels: {op: name}` forced this kernel (nothing else was tried).
+    forced: bool = False
+
+
+_DECISIONS: contextvars.ContextVar[list[KernelDecision] | None] = contextvars.ContextVar(
+    "axcore_kernel_decisions", default=None
+)
+
+
+@contextlib.contextmanager
+def record_kernel_decisions() -> Iterator[list[KernelDecision]]:
+    """Records, while active, one `KernelDecision` per kernel selection, in call order."""
+    decisions: list[KernelDecision] = []
+    token = _DECISIONS.set(decisions)
+    try:
+        yield decisions
+    finally:
+        _DECISIONS.reset(token)
+
+
+def format_kernel_decisions(decisions: Sequence[KernelDecision]) -> str:
+    """One block per distinct (op, kernel, declines): the sites, then why each earlier kernel declined.
+
+        attention -> cudnn  (16 sites: model.decoder.layer0.self_attention.attention, ...)
+          declined first: (none)
+    """
+    groups: dict[tuple[str, str, tuple[tuple[str, str], ...], bool], list[str]] = {}
+    for d in decisions:
+        groups.setdefault((d.op, d.kernel, d.declined, d.forced), []).append(d.site)
+    lines = []
+    for (op, kernel, declined, forced), sites in sorted(groups.items(), key=lambda item: (item[0][0], item[1][0])):
+        how = "forced by the layer's kernels setting" if forced else f"{len(sites)} site{'s' * (len(sites) != 1)}"
+        lines.append(f"{op} -> {kernel}  ({how})")
+        lines.extend(f"  site {site}" for site in sites)
+        lines.extend(f"  declined {name}: {reason}" for name, reason in declined)
+    return "\n".join(lines) + "\n" if lines else ""
+
+
 def describe_kernel_choices(choices: Mapping[str, Mapping[str, Sequence[str]]]) -> dict[str, str]:
     """`{op: "kernel (n sites), ..."}` for `record_kernel_choices` results, kernels by descending use."""
     out = {}
@@ -122,14 +185,37 @@ def current_environment() -> OpEnvironment:
 
 
 @contextlib.contextmanager
-def op_environment(mesh: Any, axis_rules: Mapping[str, Any] | None = None) -> Iterator[OpEnvironment]:
-    """Makes `mesh` and `axis_rules` visible to the problems of ops traced inside."""
-    env = OpEnvironment(mesh, dict(axis_rules or {}))
+def op_environment(
+    mesh: Any,
+    axis_rules: Mapping[str, Any] | None = None,
+    *,
+    platform: str | None = None,
+    instance_type: str | None = None,
+    stand_in: bool | None = None,
+) -> Iterator[OpEnvironment]:
+    """Makes `mesh`, `axis_rules` (and a target platform / instance type) visible to the problems
+    of ops traced inside; `platform`, `instance_type` and `stand_in` left None inherit the enclosing ones."""
+    outer = _ENVIRONMENT.get()
+    env = OpEnvironment(
+        mesh,
+        dict(axis_rules or {}),
+        platform or outer.platform,
+        instance_type or outer.instance_type,
+        outer.stand_in if stand_in is None else stand_in,
+    )
     token = _ENVIRONMENT.set(env)
     try:
         yield env
     finally:
         _ENVIRONMENT.reset(token)
+
+
+def current_platform() -> str:
+    """The platform problems are built for: the `op_environment`'s, else JAX's default backend."""
+    import jax  # Only when a problem is built (a backend is up or being targeted).
+
+    platform = current_environment().platform or jax.default_backend()
+    return {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -302,14 +388,16 @@ class KernelRegistry(Registry):
                     f"The '{declared.name}' kernel '{requested}' does not support this problem: "
                     f"{support.reason}. Remove the explicit kernel choice to fall back."
                 )
-            _record_choice(declared.name, kernel.name, problem)
-            return kernel
+            _record_choice(declared.name, kernel.name, problem, forced=True)
+            return declared.reference if current_environment().stand_in else kernel
         reasons = []
+        declined: list[tuple[str, str]] = []
         for kernel in self.candidates(declared):
             support = kernel.is_supported(problem)
             if support:
-                _record_choice(declared.name, kernel.name, problem)
-                return kernel
+                _record_choice(declared.name, kernel.name, problem, tuple(declined))
+                return declared.reference if current_environment().stand_in else kernel
+            declined.append((kernel.name, support.reason))
             if (declared.name, kernel.name, support.reason) not in self._logged_declines:
                 self._logged_declines.add((declared.name, kernel.name, support.reason))
                 logger.info("'%s' kernel '%s' declined: %s", declared.name, kernel.name, support.reason)
@@ -317,10 +405,16 @@ class KernelRegistry(Registry):
         raise KernelNotSupportedError(f"No '{declared.name}' kernel supports this problem ({'; '.join(reasons)}).")
 
 
-def _record_choice(op: str, kernel: str, problem: Any) -> None:
+def _record_choice(
+    op: str, kernel: str, problem: Any, declined: tuple[tuple[str, str], ...] = (), forced: bool = False
+) -> None:
+    site = getattr(problem, "site", "") or "?"
     choices = _CHOICES.get()
     if choices is not None:
-        choices.setdefault(op, {}).setdefault(kernel, []).append(getattr(problem, "site", "") or "?")
+        choices.setdefault(op, {}).setdefault(kernel, []).append(site)
+    decisions = _DECISIONS.get()
+    if decisions is not None:
+        decisions.append(KernelDecision(op, site, kernel, declined, forced))
 
 
 def fixed_op_callback(op_name: str):

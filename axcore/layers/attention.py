@@ -124,12 +124,15 @@ class MultiheadAttention(BaseLayer):
         return self.project_output(out)
 
     def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x `[b, t, dim]` -> q `[b, t, heads, head_dim]`, k and v `[b, t, kv_heads, head_dim]`."""
-        return self._dot("q_proj", x), self._dot("k_proj", x), self._dot("v_proj", x)
+        """x `[b, t, dim]` -> q `[b, t, heads, head_dim]`, k and v `[b, t, kv_heads, head_dim]`, each with a
+        sharding constraint from its logical axes (`QKV_AXES`)."""
+        q = self._constrain(self._dot("q_proj", x), QKV_AXES["q"])
+        k = self._constrain(self._dot("k_proj", x), QKV_AXES["kv"])
+        return q, k, self._constrain(self._dot("v_proj", x), QKV_AXES["kv"])
 
     def project_output(self, out: jax.Array) -> jax.Array:
-        """`[b, t, heads, head_dim]` -> `[b, t, dim]`."""
-        return self._dot("o_proj", out)
+        """`[b, t, heads, head_dim]` (constrained like q) -> `[b, t, dim]`."""
+        return self._dot("o_proj", self._constrain(out, QKV_AXES["q"]))
 
     def attend(self, q, k, v, *, positions=None, kv_mask=None, segment_ids=None) -> jax.Array:
         """Runs the selected attention kernel on projected q, k, v (see kernels.attention)."""

@@ -18,28 +18,58 @@ Dtype policy (the one place it is defined):
 Op calls: every weight matmul goes through the `dot` op of the kernel registry
 (`self._dot(site, x)` for a site declared in `_dot_sites()`), so a kernel plugin
 (fp8, int8, a fused GPU matmul) reaches it without a layer change. A kernel's own
-state for a site lives among the layer's parameters under `kernel_state/<site>`.
+state for a site lives among the layer's parameters under `kernel_state/<site>`:
+new values computed in the forward pass come back as the kernel's `new_state`;
+those declared `overwrite_with_gradient` get theirs as the train step's gradient
+(the kernel's custom VJP returns the new value as their cotangent).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
 import numpy as np
 
 from axcore.config import DType, InstantiableConfig
+from axcore.errors import ConfigError
 from axcore.kernels.dot import DOT, DotProblem, dot_problem
 from axcore.kernels.registry import Kernel, Op, Problem, current_environment
 from axcore.module import Module, no_context
 from axcore.params import FanAxes, Initializer, ParameterSpec, ParamInit, constant
-from axcore.sharding import activation_spec
+from axcore.sharding import activation_spec, constrain
 
 # Key of kernel state (e.g. quantization scales) in a layer's parameter tree.
 KERNEL_STATE = "kernel_state"
 # Dtype of parameters and computation when no ancestor sets one.
 DEFAULT_DTYPE = "float32"
+
+
+# A remat policy that calls a jax.checkpoint_policies factory: `name(arg, ...)`, string arguments.
+_POLICY_CALL = re.compile(r"(\w+)\(([\w\s,]*)\)")
+
+
+def checkpoint_policy(name: str) -> Any:
+    """The `jax.checkpoint` policy a `remat_policy` string names.
+
+    Either an attribute of `jax.checkpoint_policies` (`nothing_saveable`,
+    `dots_with_no_batch_dims_saveable`, ...) or a call of one of its factories with
+    string arguments, e.g. `offload_dot_with_no_batch_dims(device,pinned_host)` (host
+    offloading, memory kinds as arguments) or `save_only_these_names(name1,name2)`.
+
+    Raises:
+        AttributeError: no such policy or factory; TypeError: wrong arguments.
+    """
+    call = _POLICY_CALL.fullmatch(name)
+    attribute = name if call is None else call[1]
+    found = getattr(jax.checkpoint_policies, attribute, None)
+    if not callable(found):
+        raise AttributeError(f"jax.checkpoint_policies has no policy or factory '{attribute}'")
+    if call is None:
+        return found
+    return found(*[a.strip() for a in call[2].split(",") if a.strip()])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +104,31 @@ class BaseLayer(Module):
         kernels: dict[str, str] | None = None
         # Extras for the problems of this layer's ops, {op: {name: value}}; merged over the parent's.
         op_extras: dict[str, Any] | None = None
+        # Recompute this layer's forward in the backward pass under this jax.checkpoint_policies policy
+        # (e.g. nothing_saveable); None = save every activation.
+        remat_policy: str | None = None
+
+    def __init__(self, cfg, **kwargs):
+        super().__init__(cfg, **kwargs)
+        policy = self._config.remat_policy
+        if policy is not None:
+            try:
+                checkpoint_policy(policy)
+            except (AttributeError, TypeError, ValueError) as e:
+                raise ConfigError(
+                    f"{self.path}: remat_policy '{policy}' is not in jax.checkpoint_policies ({e}); try "
+                    f"'nothing_saveable', 'dots_saveable' or a factory call such as "
+                    f"'offload_dot_with_no_batch_dims(device,pinned_host)'."
+                ) from None
+
+    def _checkpoint_policy(self, method: str) -> Any:
+        """The policy of `remat_policy` for `forward`; None where a subclass's Config redeclares the
+        field to apply it itself (RepeatedTransformer: per scan step)."""
+        config_class = type(self._config)
+        below = config_class.__mro__[: config_class.__mro__.index(BaseLayer.Config)]
+        itself = any("remat_policy" in vars(c).get("__annotations__", {}) for c in below)
+        name = self._config.remat_policy if method == "forward" and not itself else None
+        return None if name is None else checkpoint_policy(name)
 
     # -- Inherited settings -----------------------------------------------------------
 
@@ -192,6 +247,12 @@ class BaseLayer(Module):
             for axes, array in inputs
         )
 
+    def _constrain(self, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+        """x with a sharding constraint from its logical axes (e.g. `("batch", "seq", "embed")`) under the
+        traced mesh and axis rules; x unchanged outside a mesh. See `axcore.sharding.constrain`."""
+        env = current_environment()
+        return constrain(x, axes, env.mesh, env.axis_rules)
+
     def _select(self, op: Op, problem: Problem) -> Kernel:
         return self.registries.kernels.select(op, problem, requested=self.kernel_choice(op))
 
@@ -203,7 +264,12 @@ class BaseLayer(Module):
         return self._run_kernel(kernel, site, problem, x, weight)
 
     def _run_kernel(self, kernel: Kernel, site: str, problem: Problem, *inputs: Any, **optional: Any) -> Any:
-        """Calls `kernel`; a kernel with state gets `state=` and returns `(output, new_state)`."""
+        """Calls `kernel`; a kernel with state gets `state=` and returns `(output, new_state)`.
+
+        `new_state` (forward-computed values) becomes a state update. State declared
+        `overwrite_with_gradient` is passed through untouched, so the cotangent the
+        kernel's VJP gives it reaches the train step, which stores it as the new value.
+        """
         if not hasattr(kernel, "state_specs"):
             return kernel(problem, *inputs, **optional)
         state = self.parameters.get(KERNEL_STATE, {}).get(site)

@@ -77,8 +77,14 @@ class Embedding(BaseLayer):
         return {"attend": DotSite("weight", (1,), "float32", x_axes=("batch", "seq", "embed"))}
 
     def forward(self, ids: jax.Array) -> jax.Array:
-        """ids `[...]` int -> `[..., dim]` in the compute dtype."""
-        return jnp.take(self.parameters["weight"], ids, axis=0).astype(self.compute_dtype)
+        """ids `[...]` int -> `[..., dim]` in the compute dtype.
+
+        Under a mesh the table's embed dim is gathered first (FSDP-style): a gather from a
+        table split on embed gives rows split on embed, which XLA cannot cheaply reshard to
+        the batch-split activations that follow.
+        """
+        table = self._constrain(self.parameters["weight"], ("vocab", None))
+        return jnp.take(table, ids, axis=0).astype(self.compute_dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Float32 logits against the embedding table: `[..., dim]` -> `[..., num_embeddings]`."""
@@ -99,7 +105,8 @@ class RMSNorm(BaseLayer):
         eps: float = 1e-6
 
     def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
-        return {"scale": self._constant((self._config.input_dim,), 1.0, ("embed",))}
+        # Logical axis "norm" (replicated by default): a few bytes, read by every shard.
+        return {"scale": self._constant((self._config.input_dim,), 1.0, ("norm",))}
 
     def forward(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -122,9 +129,9 @@ class LayerNorm(BaseLayer):
 
     def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
         dim = self._config.input_dim
-        specs = {"scale": self._constant((dim,), 1.0, ("embed",))}
+        specs = {"scale": self._constant((dim,), 1.0, ("norm",))}  # Replicated by default, as in RMSNorm.
         if self._config.bias:
-            specs["bias"] = self._constant((dim,), 0.0, ("embed",))
+            specs["bias"] = self._constant((dim,), 0.0, ("norm",))
         return specs
 
     def forward(self, x: jax.Array) -> jax.Array:

@@ -30,6 +30,10 @@ def activation_fn(activation: Activation):
     }[activation]
 
 
+# Logical axes of the hidden activation `[batch, seq, hidden_dim]` (its sharding constraint).
+HIDDEN_AXES = ("batch", "seq", "mlp")
+
+
 def projection_configs(cfg: FeedForward.Config) -> tuple[Linear.Config, Linear.Config]:
     """The `[input_dim -> hidden_dim]` and `[hidden_dim -> input_dim]` Linear configs of a feed-forward
     config, from its `linear` template, with the weights' and inputs' logical axes."""
@@ -65,4 +69,4 @@ class FeedForward(BaseLayer):
 
     def forward(self, x: jax.Array) -> jax.Array:
         act = activation_fn(self._config.activation)
-        return self.down_proj(act(self.up_proj(x)))
+        return self.down_proj(self._constrain(act(self.up_proj(x)), HIDDEN_AXES))

@@ -12,9 +12,11 @@ from axcore.layers.attention import MultiheadAttention
 from axcore.layers.base import BaseLayer, with_fields
 from axcore.layers.basic import Embedding, Linear, RMSNorm
 from axcore.layers.position import LearnedPositionEmbedding
-from axcore.layers.transformer import StackedTransformer
+from axcore.layers.transformer import RESIDUAL_AXES, StackedTransformer
 
 AUX_LOSS = "aux_loss"
+# Logical axes of the logits `[batch, seq, vocab]` (their sharding constraint).
+LOGITS_AXES = ("batch", "seq", "vocab")
 
 
 def cross_entropy(logits, labels, weights, z_loss_scale: float = 0.0) -> tuple[jax.Array, dict]:
@@ -102,17 +104,21 @@ class CausalLM(BaseLayer):
             self._add_child("lm_head", lm_head.set(weight_axes=("embed", "vocab"), input_axes=("batch", "seq", "embed")))
 
     def logits(self, input_ids: jax.Array, positions: jax.Array | None = None, kv_mask=None) -> jax.Array:
-        """input_ids `[batch, seq]` -> float32 logits `[batch, seq, vocab_size]`."""
+        """input_ids `[batch, seq]` -> float32 logits `[batch, seq, vocab_size]`.
+
+        The embedded input (`RESIDUAL_AXES`) and the logits (`LOGITS_AXES`) carry sharding
+        constraints under a mesh.
+        """
         x = self.embedding(input_ids)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
         if "position_embedding" in self.children:
             x = self.position_embedding.embed_inputs(x, positions)
+        x = self._constrain(x, RESIDUAL_AXES)
         x = self.decoder(x, positions=positions, kv_mask=kv_mask)
         x = self.final_norm(x)
-        if "lm_head" in self.children:
-            return self.lm_head(x)
-        return self.embedding.attend(x)
+        logits = self.lm_head(x) if "lm_head" in self.children else self.embedding.attend(x)
+        return self._constrain(logits, LOGITS_AXES)
 
     def forward(self, input_batch: dict) -> tuple[jax.Array, dict]:
         """Training loss.

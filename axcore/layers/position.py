@@ -81,4 +81,5 @@ class LearnedPositionEmbedding(PositionEmbedding):
             raise ValueError(
                 f"{self.path}: sequence length {x.shape[-2]} exceeds max_len {self._config.max_len}."
             )
-        return x + jnp.take(self.parameters["weight"], positions, axis=0).astype(x.dtype)
+        table = self._constrain(self.parameters["weight"], (None, None))  # Gathered whole, as Embedding's rows.
+        return x + jnp.take(table, positions, axis=0).astype(x.dtype)

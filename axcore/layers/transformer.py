@@ -23,6 +23,10 @@ from axcore.module import functional
 from axcore.params import Initializer, ParameterSpec, fold_in_name
 
 
+# Logical axes of the residual stream `[batch, seq, dim]` (its sharding constraint at layer boundaries).
+RESIDUAL_AXES = ("batch", "seq", "embed")
+
+
 class TransformerLayer(BaseLayer):
     """x + attn(norm(x)), then + ffn(norm(x)); optional residual dropout."""
 
@@ -59,10 +63,13 @@ class TransformerLayer(BaseLayer):
         return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
     def forward(self, x: jax.Array, **kwargs) -> jax.Array:
+        """x `[batch, seq, input_dim]` -> the same shape; input and output carry the sharding
+        constraint of `RESIDUAL_AXES`."""
+        x = self._constrain(x, RESIDUAL_AXES)
         h = self.self_attention(self.attention_norm(x), **kwargs)
         x = x + self._dropout(h, "attention_dropout")
         h = self.feed_forward(self.ffn_norm(x))
-        return x + self._dropout(h, "ffn_dropout")
+        return self._constrain(x + self._dropout(h, "ffn_dropout"), RESIDUAL_AXES)
 
 
 class StackedTransformer(BaseLayer):

@@ -61,6 +61,8 @@ class TrainerConfig(ConfigBase):
     log_every: int = 10
     # Seed of parameter initialization and of per-step randomness (dropout).
     seed: int = 0
+    # Gradient accumulation: each batch is split into this many microbatches (dividing input.batch_size).
+    microbatches: int = 1
     # Run directory; None = runs/<experiment name>-<UTC timestamp>.
     run_dir: str | None = None
     # Optimizer and schedule.
@@ -84,6 +86,8 @@ def check_trainer_config(cfg: TrainerConfig, registries: Registries, path: str =
     """
     if cfg.log_every < 1:
         raise ConfigError(f"'{path}.log_every' must be >= 1 (steps between metric fetches), got {cfg.log_every}.")
+    if cfg.microbatches < 1:
+        raise ConfigError(f"'{path}.microbatches' must be >= 1 (1 = no gradient accumulation), got {cfg.microbatches}.")
     learner = f"{path}.learner"
     check_component(cfg.learner.optimizer, Optimizer, f"{learner}.optimizer", names=registries.optimizers.names())
     check_component(cfg.learner.schedule, Schedule, f"{learner}.schedule", names=registries.schedules.names())

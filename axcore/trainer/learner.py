@@ -10,6 +10,15 @@ biases declare 0), and `clip` global-norm clipping. Parameters declared with
 `trainable=False` (a kernel's state) are left out of all of it: the optimizer keeps no
 state for them, their gradients do not count towards the clipping norm, and their
 update is zero (the train step takes their new values from `state_updates`).
+
+A non-trainable parameter declared with `overwrite_with_gradient=True` (e.g. an fp8
+kernel's gradient amax history, known only in the backward pass) is differentiated
+instead of gradient-stopped, and the train step makes its gradient its new value
+(after the optimizer and the state updates). It is frozen here like any non-trainable
+parameter, so its "gradient" reaches neither the optimizer, the clipping norm nor the
+logged `grad_norm`. A step that never uses it gives it gradient zero, and a step that
+uses it more than once gives it the sum of the cotangents: a kernel declaring one
+must be used exactly once per step at its site.
 """
 
 from __future__ import annotations
@@ -52,6 +61,11 @@ def _is_spec(x: Any) -> bool:
 def trainable_mask(specs: Any) -> Any:
     """A tree like `specs` of bools: whether each parameter is trainable."""
     return jax.tree.map(lambda s: bool(s.trainable), specs, is_leaf=_is_spec)
+
+
+def overwrite_with_gradient_mask(specs: Any) -> Any:
+    """A tree like `specs` of bools: whether each parameter's new value is its gradient."""
+    return jax.tree.map(lambda s: bool(s.overwrite_with_gradient), specs, is_leaf=_is_spec)
 
 
 class StateUpdateError(AxcoreError):

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import io
 import math
 import pathlib
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 import jax
@@ -32,17 +34,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import yaml
+from jax.experimental import multihost_utils
 
 from axcore.data import Split
+from axcore.distributed import is_primary, place_batch
 from axcore.errors import AxcoreError, ConfigError
 from axcore.experiment import Experiment
 from axcore.kernels import describe_kernel_choices, op_environment, record_kernel_choices
 from axcore.module import functional
 from axcore.observe import MultiWriter, ProgressBar, plot_loss_curve
 from axcore.observe.factories import JsonlWriterFactory
-from axcore.sharding import batch_sharding, make_mesh, parameter_shardings
+from axcore.sharding import batch_sharding, check_batch_size, make_mesh, parameter_shardings, resolve_rules
 from axcore.trainer.config import make_checkpoint_backend
-from axcore.trainer.learner import apply_state_updates, build_optimizer, trainable_mask
+from axcore.trainer.learner import (
+    apply_state_updates,
+    build_optimizer,
+    overwrite_with_gradient_mask,
+    trainable_mask,
+)
 from axcore.trainer.sampling import sample_tokens
 
 
@@ -74,21 +83,74 @@ def _flatten_scalars(tree: dict, prefix: str) -> dict[str, jax.Array]:
     return out
 
 
-class Trainer:
-    """Runs an `Experiment`'s training job."""
+def _run_timestamp() -> str:
+    """UTC time for a default run directory name; process 0's in a multi-process job, so all agree."""
+    now = int(datetime.datetime.now(datetime.timezone.utc).timestamp())
+    if jax.process_count() > 1:
+        now = int(multihost_utils.broadcast_one_to_all(np.int64(now)))
+    return f"{datetime.datetime.fromtimestamp(now, datetime.timezone.utc):%Y%m%d-%H%M%S}"
 
-    def __init__(self, experiment: Experiment, *, stream: TextIO | None = None, out: TextIO | None = None):
+
+def opt_state_shardings(opt_state: Any, params: Any, param_shardings: Any, trainable: Any, replicated: Any) -> Any:
+    """Shardings of the optimizer state: a parameter's sharding for state shaped like it, else replicated.
+
+    State trees shaped like the parameter tree (all of it, or only the `trainable`
+    leaves, as masked optimizers keep it) are matched leaf by leaf; a leaf with its
+    parameter's shape (e.g. Adam's moments) is sharded like it, any other leaf (a
+    count, Adafactor's factored rows) is `replicated`. Works on abstract trees
+    (`jax.eval_shape` outputs) and with shardings of an `AbstractMesh`.
+    """
+    pairs = list(zip(jax.tree.leaves(params), jax.tree.leaves(param_shardings), strict=True))
+    masked = jax.tree.map(lambda t, p: p if t else optax.MaskedNode(), trainable, params)
+    flags = jax.tree.leaves(trainable)
+    like_params = {
+        jax.tree.structure(params): pairs,
+        jax.tree.structure(masked): [pair for pair, t in zip(pairs, flags) if t],
+    }
+
+    def is_params_like(x):
+        return jax.tree.structure(x) in like_params
+
+    def assign(x):
+        if not is_params_like(x):
+            return replicated
+        leaves = [
+            sharding if leaf.shape == param.shape else replicated
+            for leaf, (param, sharding) in zip(jax.tree.leaves(x), like_params[jax.tree.structure(x)])
+        ]
+        return jax.tree.unflatten(jax.tree.structure(x), leaves)
+
+    return jax.tree.map(assign, opt_state, is_leaf=is_params_like)
+
+
+class Trainer:
+    """Runs an `Experiment`'s training job.
+
+    Shardings (`axcore.sharding`): parameters by their logical axes under `axis_rules`,
+    optimizer state like its parameter (`opt_state_shardings`), step and key
+    replicated, batches split over the batch's mesh axes; the train step is jitted
+    with these as in and out shardings, and layers add activation constraints.
+    """
+
+    def __init__(
+        self,
+        experiment: Experiment,
+        *,
+        stream: TextIO | None = None,
+        out: TextIO | None = None,
+        devices: Sequence[Any] | None = None,
+    ):
+        """`devices`: the devices of the mesh (`mesh.mesh_shape` over them); None = all of JAX's."""
         self.experiment = experiment
         self.cfg = experiment.config
-        # Progress and logs.
-        self.stream = stream or sys.stderr
+        # Progress and logs (only process 0 of a multi-process job shows them).
+        self.stream = stream or sys.stderr if is_primary() else io.StringIO()
         # Results (the sample).
-        self.out = out or sys.stdout
-        self.run_dir = pathlib.Path(
-            self.cfg.trainer.run_dir
-            or f"runs/{self.cfg.name}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}"
-        )
-        self.mesh = make_mesh(self.cfg.mesh.mesh_shape, self.cfg.mesh.mesh_axis_names)
+        self.out = out or sys.stdout if is_primary() else io.StringIO()
+        self.run_dir = pathlib.Path(self.cfg.trainer.run_dir or f"runs/{self.cfg.name}-{_run_timestamp()}")
+        self.mesh = make_mesh(self.cfg.mesh.mesh_shape, self.cfg.mesh.mesh_axis_names, devices)
+        # Logical -> mesh axes: the mesh rule's axis_rules over axcore.sharding.DEFAULT_AXIS_RULES.
+        self.axis_rules = resolve_rules(self.cfg.mesh.axis_rules)
         self.model = self.cfg.model.instantiate(name="model", registries=experiment.registries)
         # Tokenizes text sources and the end-of-run sample.
         self.tokenizer = self.cfg.tokenizer.instantiate()
@@ -102,9 +164,14 @@ class Trainer:
         tcfg = self.cfg.trainer
         # Whether each parameter is trainable (a tree like the parameters, of Python bools).
         self.trainable = trainable_mask(specs)
+        # Whether each (non-trainable) parameter's new value is the step's gradient of it.
+        self.overwrite_with_gradient = overwrite_with_gradient_mask(specs)
         self.optimizer, self.schedule = build_optimizer(tcfg.learner, specs, tcfg.max_steps)
-        self.batch_sharding = batch_sharding(self.mesh)
-        param_shardings = parameter_shardings(specs, self.cfg.mesh.axis_rules or {}, self.mesh)
+        # Batches `[batch, ...]`: the batch dim split over the mesh axes of logical axis "batch" (data, fsdp).
+        check_batch_size(self.cfg.input.batch_size, self.mesh, self.axis_rules)
+        self.batch_sharding = batch_sharding(self.mesh, self.axis_rules)
+        # Raises ConfigError naming a parameter whose dims do not divide their mesh axes.
+        param_shardings = parameter_shardings(specs, self.axis_rules, self.mesh)
         self.state_shardings = self._state_shardings(param_shardings)
 
     # -- State ------------------------------------------------------------------------
@@ -126,34 +193,8 @@ class Trainer:
         return {"params": param_shardings, "opt_state": opt, "step": replicated, "prng_key": replicated}
 
     def _opt_state_shardings(self, opt_state: Any, params: Any, param_shardings: Any, replicated: Any) -> Any:
-        """Shardings of the optimizer state: a parameter's sharding for state shaped like it, else replicated.
-
-        State trees shaped like the parameter tree (all of it, or only the trainable
-        leaves, as masked optimizers keep it) are matched leaf by leaf; a leaf with its
-        parameter's shape (e.g. Adam's moments) is sharded like it, any other leaf
-        (a count, Adafactor's factored rows) is replicated.
-        """
-        pairs = list(zip(jax.tree.leaves(params), jax.tree.leaves(param_shardings), strict=True))
-        masked = jax.tree.map(lambda t, p: p if t else optax.MaskedNode(), self.trainable, params)
-        trainable = jax.tree.leaves(self.trainable)
-        like_params = {
-            jax.tree.structure(params): pairs,
-            jax.tree.structure(masked): [pair for pair, t in zip(pairs, trainable) if t],
-        }
-
-        def is_params_like(x):
-            return jax.tree.structure(x) in like_params
-
-        def assign(x):
-            if not is_params_like(x):
-                return replicated
-            leaves = [
-                sharding if leaf.shape == param.shape else replicated
-                for leaf, (param, sharding) in zip(jax.tree.leaves(x), like_params[jax.tree.structure(x)])
-            ]
-            return jax.tree.unflatten(jax.tree.structure(x), leaves)
-
-        return jax.tree.map(assign, opt_state, is_leaf=is_params_like)
+        """Shardings of the optimizer state (see `opt_state_shardings`)."""
+        return opt_state_shardings(opt_state, params, param_shardings, self.trainable, replicated)
 
     def abstract_state(self) -> dict:
         """The train state as ShapeDtypeStructs carrying their target shardings."""
@@ -171,26 +212,96 @@ class Trainer:
 
     def _op_environment(self):
         """Makes the mesh and axis rules visible to the kernels of ops traced inside."""
-        return op_environment(self.mesh, self.cfg.mesh.axis_rules)
+        return op_environment(self.mesh, self.axis_rules, instance_type=self.cfg.mesh.instance_type)
+
+    def _batch_gradients(self, params: dict, batch: dict, key: jax.Array) -> tuple:
+        """`(loss, metrics, summaries, state_updates, raw_grads)` of one (micro)batch.
+
+        `raw_grads` holds, for overwrite-with-gradient leaves, their new values (a kernel's
+        custom VJP returns them as the cotangent), and the gradient for every other leaf.
+        """
+        owg = self.overwrite_with_gradient
+
+        def loss_fn(params):
+            # Non-trainable parameters (kernel state) get no gradient, except those whose gradient is
+            # their new value (overwrite_with_gradient: a kernel's custom VJP returns it as the cotangent).
+            params = jax.tree.map(lambda t, o, p: p if t or o else jax.lax.stop_gradient(p), self.trainable, owg, params)
+            (loss, metrics), collection = functional(self.model, params, (batch,), key, True)
+            return loss, (metrics, collection.summaries, collection.state_updates)
+
+        (loss, (metrics, summaries, state_updates)), raw_grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return loss, metrics, summaries, state_updates, raw_grads
+
+    def _accumulated_gradients(self, params: dict, batch: dict, key: jax.Array) -> tuple:
+        """`_batch_gradients` over `trainer.microbatches` microbatches, combined as one batch would be.
+
+        Microbatch i holds rows i, i + m, i + 2m, ... of the batch, so each device keeps
+        its own rows (no resharding). Loss, gradients and metrics are averaged weighted by
+        each microbatch's `num_tokens` (equal weights if the model reports none), so the
+        result is the full batch's up to float rounding; `num_tokens` is summed;
+        summaries are averaged; overwrite-with-gradient values are combined by elementwise
+        maximum (amax histories see the largest value of the step); state updates are the
+        last microbatch's.
+        """
+        m = self.cfg.trainer.microbatches
+        if m == 1:
+            return self._batch_gradients(params, batch, key)
+        spec = self.batch_sharding.spec
+        micro_sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(None, *spec))
+
+        def split(x):
+            x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+            return jax.lax.with_sharding_constraint(x, micro_sharding)
+
+        micro = jax.tree.map(split, batch)
+        owg = self.overwrite_with_gradient
+
+        def one(i, microbatch):
+            loss, metrics, summaries, updates, grads = self._batch_gradients(params, microbatch, jax.random.fold_in(key, i))
+            weight = metrics["num_tokens"].astype(jnp.float32) if "num_tokens" in metrics else jnp.float32(1.0)
+            return weight, loss, metrics, summaries, updates, grads
+
+        shapes = jax.eval_shape(one, 0, jax.tree.map(lambda x: x[0], micro))
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        # Overwrite-with-gradient leaves start at -inf: their combination is a maximum.
+        init_grads = jax.tree.map(lambda o, g: jnp.full_like(g, -jnp.inf) if o else g, owg, zeros[5])
+
+        def body(acc, xs):
+            weight, loss, metrics, summaries, updates, grads = one(*xs)
+            acc_weight, acc_loss, acc_metrics, acc_summaries, _, acc_grads = acc
+            metrics = {
+                k: acc_metrics[k] + (v if k == "num_tokens" else weight * v.astype(acc_metrics[k].dtype))
+                for k, v in metrics.items()
+            }
+            summaries = jax.tree.map(lambda a, v: a + v / m, acc_summaries, summaries)
+            grads = jax.tree.map(
+                lambda o, a, g: jnp.maximum(a, g) if o else a + (weight * g).astype(a.dtype), owg, acc_grads, grads
+            )
+            return (acc_weight + weight, acc_loss + weight * loss, metrics, summaries, updates, grads), None
+
+        init = (zeros[0], zeros[1], zeros[2], zeros[3], zeros[4], init_grads)
+        (total, loss, metrics, summaries, updates, grads), _ = jax.lax.scan(body, init, (jnp.arange(m), micro))
+        metrics = {k: v if k == "num_tokens" else (v / total).astype(v.dtype) for k, v in metrics.items()}
+        grads = jax.tree.map(lambda o, g: g if o else (g / total).astype(g.dtype), owg, grads)
+        return loss / total, metrics, summaries, updates, grads
 
     def _train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
         with self._op_environment():
             key = jax.random.fold_in(jax.random.wrap_key_data(state["prng_key"]), state["step"])
-
-            def loss_fn(params):
-                # Non-trainable parameters (kernel state) get no gradient.
-                params = jax.tree.map(lambda t, p: p if t else jax.lax.stop_gradient(p), self.trainable, params)
-                (loss, metrics), collection = functional(self.model, params, (batch,), key, True)
-                return loss, (metrics, collection.summaries, collection.state_updates)
-
-            (loss, (metrics, summaries, state_updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                state["params"]
+            owg = self.overwrite_with_gradient
+            loss, metrics, summaries, state_updates, raw_grads = self._accumulated_gradients(
+                state["params"], batch, key
             )
+            # Overwrite-with-gradient "gradients" are new values, not gradients: zero for the optimizer
+            # (which freezes them anyway), the clipping norm and the logged gradient norm.
+            grads = jax.tree.map(lambda o, g: jnp.zeros_like(g) if o else g, owg, raw_grads)
             updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
             # The optimizer never touches non-trainable leaves; their new values are the step's state updates.
             params = jax.tree.map(lambda t, new, old: new if t else old, self.trainable, params, state["params"])
             params = apply_state_updates(params, state_updates, self.trainable)
+            # Last (it wins over a forward state update): an overwrite-with-gradient leaf's new value is its gradient.
+            params = jax.tree.map(lambda o, p, g: g.astype(p.dtype) if o else p, owg, params, raw_grads)
         new_state = dict(state, params=params, opt_state=opt_state, step=state["step"] + 1)
         out = {
             "loss": loss,
@@ -220,7 +331,7 @@ class Trainer:
         iterator.set_state({"epoch": 0, "position": 0})  # The same held-out batches every time.
         xent, tokens = 0.0, 0.0
         for _, batch in zip(range(self.cfg.trainer.eval_batches), iterator):
-            result = eval_step(params, jax.device_put(batch, self.batch_sharding))
+            result = eval_step(params, place_batch(batch, self.batch_sharding))
             xent += float(result["xent_sum"])
             tokens += float(result["tokens"])
         return xent / max(tokens, 1.0)
@@ -229,6 +340,8 @@ class Trainer:
 
     def _save_config(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not is_primary():
+            return
         data = self.experiment.to_dict()
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False), "utf-8")
         (self.run_dir / "config.txt").write_text(self.experiment.flat(), "utf-8")
@@ -257,7 +370,7 @@ class Trainer:
         writer = MultiWriter([])
         progress = None
         try:
-            for writer_cfg in tcfg.metrics_writers:
+            for writer_cfg in tcfg.metrics_writers if is_primary() else []:
                 writer.writers.append(writer_cfg.instantiate().create(self.run_dir))
             train_iter = self.cfg.input.make_iterator(Split.TRAIN, self.tokenizer)
             eval_iter = self.cfg.input.make_iterator(Split.EVAL, self.tokenizer) if tcfg.eval_every else None
@@ -270,7 +383,7 @@ class Trainer:
             if state is None:
                 state = self.init_state()
             train_step = self.compiled_train_step()
-            eval_step = jax.jit(self._eval_step)
+            eval_step = jax.jit(self._eval_step, in_shardings=(self.state_shardings["params"], self.batch_sharding))
             progress = ProgressBar(tcfg.max_steps, stream=self.stream, log_every=tcfg.log_every, start_step=start)
             tokens_per_step = self.cfg.input.batch_size * self.cfg.input.seq_len
             train_loss = eval_loss = None
@@ -278,7 +391,7 @@ class Trainer:
             unchecked: list[tuple[int, tuple[jax.Array, jax.Array]]] = []
             interval_start, fetched_step = time.perf_counter(), start
             for step in range(start + 1, tcfg.max_steps + 1):
-                batch = jax.device_put(next(train_iter), self.batch_sharding)
+                batch = place_batch(next(train_iter), self.batch_sharding)
                 if step == start + 1:  # The first call traces the step: log the kernel each op got.
                     with record_kernel_choices() as choices:
                         state, metrics = train_step(state, batch)
@@ -316,7 +429,7 @@ class Trainer:
             writer.close()
             backend.close()
         metrics_file = self.run_dir / JsonlWriterFactory.FILENAME
-        if metrics_file.exists():
+        if metrics_file.exists() and is_primary():
             plot_loss_curve(metrics_file, self.run_dir / "loss.png")
         sample = self._sample(state["params"])
         return TrainResult(self.run_dir, int(state["step"]), train_loss, eval_loss, sample)

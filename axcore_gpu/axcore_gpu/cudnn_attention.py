@@ -3,7 +3,8 @@
 Kernels of the `attention` op with this plugin, tried in this order (highest priority first):
 
     100  cudnn       this module: cuDNN flash attention, bfloat16/float16 on CUDA sm80+
-     90  (reserved)  a Pallas flash-attention kernel (segment ids, soft-cap, ...), planned
+     90  pallas      pallas_attention.py: Pallas (Triton) flash attention, also segment ids,
+                     soft-cap, float32 and causal with q_len != kv_len
       0  xla         axcore's reference kernel, every capability (the fallback)
 
 Mapping from an `AttentionProblem` to `jax.nn.dot_product_attention` (layouts agree:

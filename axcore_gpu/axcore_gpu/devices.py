@@ -11,9 +11,21 @@ from typing import Any
 
 import jax
 import numpy as np
+from axcore.kernels import current_environment
 
 # A CUDA device's `compute_capability` attribute reads like "9.0"; ROCm devices have none of that form.
 _CAPABILITY = re.compile(r"(\d+)\.(\d+)")
+# Compute capability of each device kind of the GPU mesh rules, for resolving a `gpu-<kind>-N`
+# experiment on a machine without that GPU (`--mesh-selector gpu-h100-8` on a laptop).
+KIND_CAPABILITIES = {"a100": (8, 0), "h100": (9, 0), "h200": (9, 0), "b200": (10, 0)}
+
+
+def instance_type_capability(instance_type: str | None) -> tuple[int, int] | None:
+    """The compute capability of `gpu-<kind>-N` for a kind of `KIND_CAPABILITIES`, else None."""
+    parts = (instance_type or "").split("-")
+    if len(parts) == 3 and parts[0] == "gpu":
+        return KIND_CAPABILITIES.get(parts[1])
+    return None
 
 
 def cuda_compute_capability(mesh: Any = None) -> tuple[int, int] | None:
@@ -23,16 +35,25 @@ def cuda_compute_capability(mesh: Any = None) -> tuple[int, int] | None:
         mesh: a `jax.sharding.Mesh` whose devices are asked; None or an `AbstractMesh`
             (which has no devices) asks the process's default devices.
 
-    Returns the lowest compute capability among the devices, or None when none of them
-    is a CUDA device (CPU, ROCm, or a GPU target compiled for on a host without one).
+    Returns the lowest compute capability among the devices; when none of them is a CUDA
+    device (CPU, ROCm, or a GPU target resolved on a host without one), the capability
+    of the op environment's instance type (`gpu-h100-8` -> (9, 0)), else None.
     """
     devices = getattr(mesh, "devices", None)
     if devices is None:
         devices = jax.devices()
+    found = _device_capabilities(devices)
+    if found is None:
+        return instance_type_capability(current_environment().instance_type)
+    return min(found) if found else None
+
+
+def _device_capabilities(devices: Any) -> list[tuple[int, int]] | None:
+    """Capabilities of `devices`, or None if any is not a CUDA device."""
     found = []
     for device in np.ravel(np.asarray(devices, dtype=object)):
         match = _CAPABILITY.fullmatch(str(getattr(device, "compute_capability", "")))
         if match is None:
             return None
         found.append((int(match[1]), int(match[2])))
-    return min(found) if found else None
+    return found

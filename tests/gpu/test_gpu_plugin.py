@@ -31,7 +31,7 @@ def resolve(*overrides, source=None):
 def test_distribution_declares_the_gpu_entry_point_and_cuda_as_extras():
     project = tomllib.loads((PACKAGE_ROOT / "pyproject.toml").read_text())["project"]
     assert project["name"] == "axcore-gpu"
-    assert project["entry-points"]["axcore"] == {"gpu": "axcore_gpu.plugin"}
+    assert project["entry-points"]["axcore"] == {"gpu": "axcore_gpu.plugin", "fp8": "axcore_gpu.fp8_plugin"}
     assert "axcore" in project["dependencies"]
     assert not any("cuda" in d for d in project["dependencies"])  # Installs without CUDA.
     assert project["optional-dependencies"]["cuda12"] == ["jax[cuda12]>=0.7"]
@@ -126,5 +126,25 @@ def test_resolved_gpu_h100_8_config_matches_golden_file(request, capsys):
     assert lines["mesh.rule"] == "gpu-h100" and lines["mesh.instance_type"] == "gpu-h100-8"
     assert lines["model.compute_dtype"] == "bfloat16" and lines["model.param_dtype"] == "null"
     assert lines["plugins"] == "[]"  # Loaded for the selected platform, not listed.
-    # On this CPU host cuDNN declines (no CUDA device), so the reference kernel is what compiles here.
-    assert lines["# kernel attention"] == ("cudnn (4 sites)" if jax.default_backend() == "gpu" else "xla (4 sites)")
+    # Kernels are chosen for the selected target (an H100: compute capability 9.0), also on a CPU host.
+    assert lines["# kernel attention"] == "cudnn (4 sites)"
+    assert lines["# kernel dot"] == "xla (25 sites)"  # xla_cpu declines: the platform is gpu.
+
+
+def test_plugin_registers_cudnn_first_and_pallas_below_the_reference_until_verified():
+    from axcore.plugins import create_plugin_manager
+
+    kernels = create_plugin_manager(["gpu"], objects={"gpu": axcore_gpu.plugin}).registries.kernels
+    order = [kernel.name for kernel in kernels.candidates("attention")]
+    assert order == ["cudnn", "xla", "pallas"]
+    pallas = next(kernel for kernel in kernels.candidates("attention") if kernel.name == "pallas")
+    assert pallas.priority == axcore_gpu.plugin.PALLAS_PRIORITY_UNTIL_VERIFIED < 0
+
+
+def test_kernel_decisions_for_a_gpu_selector_name_the_declines():
+    overrides = ["mesh.instance_type=gpu-h100-8", "model.compute_dtype=float32"]
+    decisions = load_experiment("default", overrides, objects=OBJECTS).kernel_decisions()
+    attention = {(d.kernel, d.declined) for d in decisions if d.op == "attention"}
+    assert attention == {("xla", (("cudnn", "dtype float32: cuDNN flash attention takes bfloat16 or float16"),))}
+    bf16 = load_experiment("default", ["mesh.instance_type=gpu-a100-8"], objects=OBJECTS).kernel_decisions()
+    assert {(d.kernel, d.declined) for d in bf16 if d.op == "attention"} == {("cudnn", ())}

@@ -41,11 +41,16 @@ import jax.numpy as jnp
 
 from axcore.config import REQUIRED, InstantiableConfig
 from axcore.errors import ConfigError
+from axcore.kernels import current_environment, op_environment
 from axcore.layers import BaseLayer, FeedForward, with_fields
 from axcore.layers.base import DotSite
 from axcore.layers.transformer import StackedInitializer
 from axcore.module import functional, no_context
 from axcore.params import FanAxes, ParameterSpec, fold_in_name
+from axcore.sharding import mesh_axes_of, resolve_rules
+
+# Logical axes of the experts' inputs and outputs `[num_experts, batch, capacity, dim]` (sharding constraint).
+EXPERT_IO_AXES = ("expert", "batch", None, "embed")
 
 
 class Routing(NamedTuple):
@@ -149,8 +154,9 @@ class MixtureOfExperts(BaseLayer):
         slots = jax.nn.one_hot(jnp.where(r.kept, r.slot, capacity), capacity, dtype=jnp.float32)  # [b, t, k, c]
         dispatch = jnp.einsum("btke,btkc->btec", assign, slots)
         combine = jnp.einsum("btke,btkc,btk->btec", assign, slots, r.gates)
-        expert_in = jnp.einsum("btec,btd->ebcd", dispatch.astype(x.dtype), x)
-        y = jnp.einsum("btec,ebcd->btd", combine.astype(x.dtype), self._experts(expert_in))
+        expert_in = self._constrain(jnp.einsum("btec,btd->ebcd", dispatch.astype(x.dtype), x), EXPERT_IO_AXES)
+        expert_out = self._constrain(self._experts(expert_in), EXPERT_IO_AXES)
+        y = jnp.einsum("btec,ebcd->btd", combine.astype(x.dtype), expert_out)
 
         fraction = jnp.mean(assign, axis=(0, 1, 2))  # f_e: share of the top-k assignments.
         load_balance = cfg.num_experts * jnp.sum(fraction * jnp.mean(r.probs, axis=(0, 1)))
@@ -165,7 +171,25 @@ class MixtureOfExperts(BaseLayer):
         return y
 
     def _experts(self, xs: jax.Array) -> jax.Array:
-        """Expert i applied to `xs[i]`: `[num_experts, ...]` -> `[num_experts, ...]` (vmapped)."""
+        """Expert i applied to `xs[i]`: `[num_experts, ...]` -> `[num_experts, ...]` (vmapped).
+
+        Under a mesh the vmapped axis is split over the mesh axes of logical axis "expert"
+        (`spmd_axis_name`), so the experts' own sharding constraints keep it sharded; those
+        mesh axes are removed from the rules the experts see (one mesh axis cannot shard
+        two dims of an array).
+        """
+        env = current_environment()
+        expert_axes = mesh_axes_of("expert", env.axis_rules, env.mesh) if env.mesh is not None else ()
+        if not expert_axes:
+            return self._run_experts(xs, None)
+        inner = {
+            logical: None if target is None else tuple(a for a in target if a not in expert_axes)
+            for logical, target in resolve_rules(env.axis_rules).items()
+        }
+        with op_environment(env.mesh, inner):
+            return self._run_experts(xs, expert_axes)
+
+    def _run_experts(self, xs: jax.Array, spmd_axis_name: tuple[str, ...] | None) -> jax.Array:
         ctx = self._context()
         key = fold_in_name(ctx.prng_key, "expert")
         keys = None if key is None else jax.random.split(key, self._config.num_experts)
@@ -173,7 +197,7 @@ class MixtureOfExperts(BaseLayer):
         def one(params, x, key):
             return functional(self.expert, params, (x,), key, ctx.is_training)
 
-        out, collections = jax.vmap(one)(ctx.state["expert"], xs, keys)
+        out, collections = jax.vmap(one, spmd_axis_name=spmd_axis_name)(ctx.state["expert"], xs, keys)
         for mine, stacked in zip(ctx.output_collection.child("expert"), collections):
             mine.update(stacked)
         return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 
 from axcore.layers import BaseLayer, FeedForward
-from axcore.layers.feed_forward import activation_fn, projection_configs
+from axcore.layers.feed_forward import HIDDEN_AXES, activation_fn, projection_configs
 
 
 class GatedFeedForward(BaseLayer):
@@ -33,4 +33,5 @@ class GatedFeedForward(BaseLayer):
 
     def forward(self, x: jax.Array) -> jax.Array:
         act = activation_fn(self._config.activation)
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+        hidden = act(self.gate_proj(x)) * self.up_proj(x)  # Sharding-constrained like FeedForward's hidden.
+        return self.down_proj(self._constrain(hidden, HIDDEN_AXES))
