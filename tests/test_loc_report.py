@@ -12,6 +12,7 @@ import axcore.loc_report
 from axcore.cli import main
 from axcore.config import replace
 from axcore.layers import RepeatedTransformer
+from axcore.layers.base import BaseLayer, checkpoint_policy
 from axcore.loc_report import (
     CoreLineTracer,
     Probe,
@@ -62,6 +63,14 @@ def _line_of(fn, text):
     (offset,) = [i for i, line in enumerate(lines) if text in line]
     path = pathlib.Path(inspect.getsourcefile(fn)).relative_to(pathlib.Path(axcore.__file__).parent).as_posix()
     return f"{path}:{start + offset}"
+
+
+def _lines_of(fn):
+    """`file:line` (relative to axcore/) of every line of `fn`."""
+    fn = inspect.unwrap(fn)
+    lines, start = inspect.getsourcelines(fn)
+    path = pathlib.Path(inspect.getsourcefile(fn)).relative_to(pathlib.Path(axcore.__file__).parent).as_posix()
+    return {f"{path}:{start + i}" for i in range(len(lines))}
 
 
 class SetRematPolicy:
@@ -117,9 +126,12 @@ def test_swiglu_needs_no_core_line_and_remat_one_core_mechanism(rows):
     # swiglu's gated layer lives in the plugin; it only fills the core's feed-forward slot.
     assert rows["swiglu"].core_lines == frozenset()
     assert rows["swiglu"].core_mechanisms == ("transformer_layer.feed_forward",)
-    # remat sets a generic core field, and the core line that field switches on runs only for it.
+    # remat sets a generic core field; what runs only for it is the line that field switches on and
+    # the core's reading of the policy name (BaseLayer's check and `checkpoint_policy`).
     assert rows["remat"].core_mechanisms == ("repeated_transformer.remat_policy",)
-    assert rows["remat"].core_lines == {_line_of(RepeatedTransformer.forward, "body = jax.checkpoint(")}
+    body = _line_of(RepeatedTransformer.forward, "body = jax.checkpoint(")
+    assert body in rows["remat"].core_lines
+    assert rows["remat"].core_lines - {body} <= _lines_of(BaseLayer.__init__) | _lines_of(checkpoint_policy)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from axcore.config import REQUIRED, InstantiableConfig
 from axcore.errors import ConfigError
 from axcore.layers.attention import MultiheadAttention
-from axcore.layers.base import BaseLayer, with_fields
+from axcore.layers.base import BaseLayer, checkpoint_policy, with_fields
 from axcore.layers.basic import RMSNorm
 from axcore.layers.feed_forward import FeedForward
 from axcore.module import functional
@@ -148,11 +148,6 @@ class RepeatedTransformer(BaseLayer):
                 f"{self.path}: num_layers ({cfg.num_layers}) is not a multiple of the repeated "
                 f"unit's {self.layers_per_unit} layers."
             )
-        if cfg.remat_policy is not None and not hasattr(jax.checkpoint_policies, cfg.remat_policy):
-            raise ConfigError(
-                f"{self.path}: remat_policy '{cfg.remat_policy}' is not in jax.checkpoint_policies; "
-                f"try 'nothing_saveable' or 'dots_saveable'."
-            )
         if cfg.unroll < 1:
             raise ConfigError(f"{self.path}: unroll must be >= 1, got {cfg.unroll}.")
         self._add_child("layer", with_fields(cfg.layer, input_dim=cfg.input_dim))
@@ -189,7 +184,7 @@ class RepeatedTransformer(BaseLayer):
             return out, collection
 
         if self._config.remat_policy is not None:
-            body = jax.checkpoint(body, policy=getattr(jax.checkpoint_policies, self._config.remat_policy))
+            body = jax.checkpoint(body, policy=checkpoint_policy(self._config.remat_policy))
         x, collections = jax.lax.scan(
             body, x, (ctx.state.get("layer", {}), keys), length=self.repeats, unroll=min(self._config.unroll, self.repeats)
         )
