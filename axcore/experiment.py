@@ -24,9 +24,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import yaml
 
 from axcore.config import REQUIRED, ConfigBase, InstantiableConfig, dump_flat, from_dict, parse_override
+from axcore.config.safe_yaml import read_file as read_yaml_file
 from axcore.config.serialize import flatten, format_value, nest_path, safe_load, to_dict
 from axcore.data import ByteTokenizer, InputConfig, Tokenizer
 from axcore.config_modifiers import apply_modifier, build_modifier, describe_modifier
@@ -283,22 +283,19 @@ def read_experiment_file(
     """
     source = "default" if source is None else os.fspath(source)
     if os.path.isfile(source):
-        with open(source, encoding="utf-8") as f:
-            text, label = f.read(), source
+        text, label = read_yaml_file(source), source  # Bytes, at most the YAML size limit.
     else:
         search = search_plugins("experiments", objects=objects, installed=not _looks_like_path(source), name=source)
         entry = search.found.get(source)
         if entry is None:
             raise ConfigError(_unknown_experiment(source, search))
-        text = experiment_text(entry.value)
+        value = entry.value
+        text = value.read_bytes() if callable(getattr(value, "read_bytes", None)) else experiment_text(value)
         if entry.provenance.distribution == BUILTIN_DISTRIBUTION:
             label = f"<built-in experiment {source}>"
         else:
             label = f"<experiment {source} of {entry.provenance}>"
-    try:
-        data = safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{label}: invalid YAML: {' '.join(str(e).split())}") from None
+    data = safe_load(text, label=label)  # Hardened: one-line ConfigError naming `label`.
     if data is None:
         data = {}
     if not isinstance(data, dict):

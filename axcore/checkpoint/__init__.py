@@ -17,6 +17,7 @@ from axcore.checkpoint.base import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    restore_verified,
 )
 
 _LAZY = {
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "OrbaxBackend",
     "TensorStoreBackend",
+    "restore_verified",
 ]
 
 

@@ -131,10 +131,12 @@ def check_matches(saved: Sequence[dict], target: PyTree, where: str) -> None:
         parts.append(f"in the checkpoint but not in the target: {_listing(extra)}")
     if differ:
         parts.append(f"shape/dtype differs: {_listing(differ)}")
+    first = (differ or [f"{p} (missing from the checkpoint)" for p in missing] or [f"{p} (not in the target)" for p in extra])[0]
     raise CheckpointMismatchError(
         f"Checkpoint {where} does not match the restore target; " + "; ".join(parts) + ". "
         "Restore with the model and optimizer config that wrote it, or start from a fresh "
-        "checkpoint directory."
+        "checkpoint directory.",
+        reason=f"a checkpoint of another model: {first}",
     )
 
 

@@ -19,6 +19,7 @@ cheap.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from axcore.errors import AxcoreError
@@ -27,7 +28,15 @@ PyTree = Any
 
 
 class CheckpointError(AxcoreError):
-    """A checkpoint cannot be saved or restored (the message names directory and step)."""
+    """A checkpoint cannot be saved or restored (the message names directory and step).
+
+    `reason` is a short form of the message (no directory), used when reporting a
+    step that is skipped in favour of an earlier one.
+    """
+
+    def __init__(self, message: str, *, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -86,7 +95,65 @@ class CheckpointBackend(Protocol):
             CheckpointNotFoundError: no committed step (or not `step`) in the directory.
             CheckpointMismatchError: tree paths, shapes or dtypes differ; the message
                 lists every offending path.
+            CheckpointError: a file is missing, unreadable or fails its checksum (one
+                line naming the step and the file or parameter path).
         """
 
     def close(self) -> None:
         """Waits for pending saves and releases resources."""
+
+
+def restore_verified(
+    backend: CheckpointBackend,
+    target: PyTree,
+    step: int | None = None,
+    report: Callable[[str], None] = print,
+) -> tuple[PyTree, dict, int]:
+    """Restores `step`, or else the latest committed step that verifies.
+
+    With `step` given, restores exactly that step or raises its CheckpointError. With
+    None, tries committed steps newest first; each one that fails verification, cannot
+    be read or does not match the target is reported through `report` in one line
+    naming the next step tried. Steps without a commit marker (interrupted saves)
+    newer than the restored one are reported too.
+
+    Returns:
+        `(state, metadata, step)`.
+
+    Raises:
+        CheckpointNotFoundError: no committed step (or not `step`).
+        CheckpointError: `step` fails, or no committed step verifies.
+    """
+    if step is not None:
+        state, metadata = backend.restore(target, step)
+        return state, metadata, step
+    steps = list(backend.all_steps())
+    if not steps:
+        state, metadata = backend.restore(target)  # Raises CheckpointNotFoundError.
+        return state, metadata, backend.latest_step()
+    incomplete = getattr(backend, "incomplete_steps", lambda: [])()
+    for s in sorted((s for s in incomplete if s > steps[-1]), reverse=True):
+        report(f"Ignoring checkpoint step {s}: it has no commit marker (an interrupted save).")
+    failures: list[str] = []
+    for i, s in enumerate(reversed(steps)):
+        try:
+            state, metadata = backend.restore(target, s)
+        except CheckpointNotFoundError:
+            raise
+        except CheckpointError as e:
+            failures.append(f"step {s}: {e.reason}")
+            if i + 1 < len(steps):
+                report(f"Checkpoint step {s} failed verification ({_short(e.reason)}); restoring step {steps[-2 - i]}.")
+            continue
+        return state, metadata, s
+    raise CheckpointError(
+        f"No committed checkpoint in {getattr(backend, 'directory', 'the directory')} verifies ({_short(failures[0])}"
+        + (f"; and {len(failures) - 1} older step(s) failed too" if len(failures) > 1 else "")
+        + "); set trainer.checkpoint.restore_step=N to see one step's error, or start from a fresh directory.",
+        reason=failures[0],
+    )
+
+
+def _short(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -6,19 +6,28 @@ orbax's PyTree handler: OCDBT, zarr, uncompressed unless `compress=True`) and `m
 orbax's `commit_success.txt`. Saves use orbax's commit-file atomicity, so a step counts only once that marker exists; an
 interrupted save leaves a directory without it, which is ignored and replaced when
 that step is saved again. Nothing is pickled.
+
+`meta` also holds the CRC32 of the metadata and of every replica-0 shard of every
+array, computed from the host copy in `save` (with several processes only process 0's
+shards are recorded, since only it writes `meta`); it is written as part of the step,
+so before the commit file. `restore` verifies the metadata and every recorded shard
+contained in what this process restored; any failure, or an orbax/TensorStore error,
+is a one-line CheckpointError naming the step and the item or parameter path.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import sys
 
 import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import options as ocp_options
 from orbax.checkpoint.path import atomicity as ocp_atomicity
 
-from axcore.checkpoint import _tree
+from axcore.checkpoint import _tree, _verify
 from axcore.checkpoint.base import CheckpointError, PyTree
 
 log = logging.getLogger(__name__)
@@ -63,11 +72,19 @@ class OrbaxBackend:
         step = _tree.check_step(step)
         where = f"step {step} in {self.directory}"
         _tree.check_state(state, where)
-        meta = {"format": _FORMAT, "metadata": _tree.json_copy(metadata, where), "index": _tree.index_of(state)}
+        metadata = _tree.json_copy(metadata, where)
         self.wait()  # At most one save in flight; surfaces the previous save's error.
         if step in self._manager.all_steps():
             log.warning("Checkpoint step %d already exists in %s; not saving it again.", step, self.directory)
             return
+        flat = jax.tree_util.tree_flatten_with_path(state)[0]
+        meta = {
+            "format": _FORMAT,
+            "metadata": metadata,
+            "metadata_crc32": _verify.json_checksum(metadata),
+            "index": _tree.index_of(state),
+            "checksums": {jax.tree_util.keystr(p): _verify.array_pieces(x) for p, x in flat},
+        }
         args = ocp.args.Composite(**{_STATE: ocp.args.PyTreeSave(state), _META: ocp.args.JsonSave(meta)})
         self._saving = step
         try:
@@ -97,6 +114,14 @@ class OrbaxBackend:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    def incomplete_steps(self) -> list[int]:
+        """Step directories without orbax's commit file (interrupted saves, or one in flight)."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit() and not self._is_committed(int(n)))
+
     def _is_committed(self, step: int) -> bool:
         return os.path.exists(os.path.join(self.directory, str(step), ocp_atomicity.COMMIT_SUCCESS_FILE))
 
@@ -105,18 +130,43 @@ class OrbaxBackend:
     def restore(self, target: PyTree, step: int | None = None) -> tuple[PyTree, dict]:
         step = _tree.resolve_step(step, self.all_steps(), self.directory)
         where = f"step {step} in {self.directory}"
-        meta = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
-        if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-            raise CheckpointError(f"Checkpoint {where} was not written by axcore's orbax backend (no '{_META}' index).")
+        meta_file = f"{step}/{_META}/metadata"
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
+        except Exception as e:
+            why = f"{meta_file} is unreadable: {_verify.cause(e)}"
+            raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why) from None
+        if not isinstance(meta, dict) or meta.get("format") != _FORMAT or not isinstance(meta.get("index"), list):
+            why = f"{meta_file} is not an axcore orbax index"
+            raise CheckpointError(
+                f"Checkpoint {where} was not written by axcore's orbax backend (no '{_META}' index).", reason=why
+            )
         abstract = _tree.abstract_target(target)
-        _tree.check_matches(meta["index"], abstract, where)
+        try:
+            _tree.check_matches(meta["index"], abstract, where)
+        except (KeyError, TypeError, AttributeError) as e:
+            why = f"{meta_file} has a malformed index ({_verify.cause(e)})"
+            raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why) from None
+        _verify.verify_metadata(meta.get("metadata"), meta.get("metadata_crc32"), where, meta_file)
         try:
             restore_args = jax.tree.map(lambda leaf: ocp.ArrayRestoreArgs(sharding=leaf.sharding), abstract)
             args = ocp.args.PyTreeRestore(abstract, restore_args=restore_args)
-            restored = self._manager.restore(step, args=ocp.args.Composite(**{_STATE: args}))
-        except Exception as e:  # E.g. a container type that differs although every path matches.
-            raise CheckpointError(f"Restoring {where} failed: {type(e).__name__}: {e}") from e
-        return restored[_STATE], meta["metadata"]
+            restored = self._manager.restore(step, args=ocp.args.Composite(**{_STATE: args}))[_STATE]
+        except Exception as e:  # E.g. a missing or truncated data file, or a differing container type.
+            _quiet_orbax_leftovers()
+            why = f"{step}/{_STATE} cannot be read: {_verify.cause(e)}"
+            raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why) from None
+        checksums = meta.get("checksums") or {}
+        for path, x in jax.tree_util.tree_flatten_with_path(restored)[0]:
+            path = jax.tree_util.keystr(path)
+            if not isinstance(x, jax.Array):
+                x = jax.numpy.asarray(x)
+            regions = _verify.host_regions(x)
+            if x.dtype.name != _index_dtype(meta["index"], path):
+                why = f"{path} in {step}/{_STATE} was restored as {x.dtype.name}, not the saved dtype"
+                raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why)
+            _verify.verify_pieces(path, checksums.get(path, ()), regions, where, f"{step}/{_STATE}")
+        return restored, meta["metadata"]
 
     def close(self) -> None:
         if self._closed:
@@ -135,3 +185,38 @@ class OrbaxBackend:
 
     def __repr__(self) -> str:
         return f"OrbaxBackend({self.directory!r}, keep_last_n={self.keep_last_n}, compress={self.compress})"
+
+
+def _index_dtype(index: list[dict], path: str) -> str | None:
+    for e in index:
+        if e.get("path") == path:
+            return e.get("dtype")
+    return None
+
+
+_quieted = False
+
+
+def _quiet_orbax_leftovers() -> None:
+    """Keeps a failed orbax read's leftovers from printing tracebacks later.
+
+    When one array read fails, orbax abandons the other read coroutines and TensorStore
+    callbacks, which then fail at garbage collection ("Event loop is closed", coroutine
+    GeneratorExit) and would print "Exception ignored in ..." tracebacks to stderr. The
+    filter drops only those; anything else goes to the previous hook.
+    """
+    global _quieted
+    if not _quieted:
+        _quieted = True
+        previous = sys.unraisablehook
+
+        def hook(unraisable):
+            code = getattr(unraisable.object, "cr_code", None)
+            if "Event loop is closed" in str(unraisable.exc_value) or (
+                code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+            ):
+                return
+            previous(unraisable)
+
+        sys.unraisablehook = hook
+    gc.collect()

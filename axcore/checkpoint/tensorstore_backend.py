@@ -5,22 +5,27 @@ Layout of one step::
     <directory>/step_00000100/
         arrays/<name>/          one zarr3 array per leaf; <name> is the sanitized tree
                                 path (`opt.0.mu.w` for `['opt'][0].mu['w']`)
-        index.json              format, step, metadata and, per leaf, path/name/shape/dtype
-        COMMITTED               written last (temp file + os.replace); only steps with it count
+        index.json              format, step, metadata and its CRC32, and per leaf
+                                path/name/shape/dtype and the CRC32 of every piece written
+        COMMITTED               written last (temp file + os.replace), with the CRC32 of
+                                index.json; only steps with it count
 
 `save` copies every addressable shard whose `replica_id` is 0 to host memory before
 it returns (so the caller may donate or delete the arrays), then a background thread
 writes each copy into its region of the leaf's array; chunks are the saved
 sharding's shards (split further above 64 MiB), so no two processes write one chunk.
-With several processes, each writes only its own shards and then `done.<process>`;
-process 0 waits for all of them, writes `index.json` and `COMMITTED`, and prunes old
-steps. `restore` reads, for each leaf, only the slices the target sharding places on
-this process's devices.
+With several processes, each writes only its own shards and then `done.<process>`
+(holding its shards' checksums); process 0 waits for all of them, writes `index.json`
+and `COMMITTED`, and prunes old steps. `restore` reads, for each leaf, only the slices
+the target sharding places on this process's devices, and verifies index.json, the
+metadata and every saved piece it read (see `_verify`), plus each array's zarr.json
+dtype and shape; any failure is a one-line CheckpointError naming the file.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
@@ -28,6 +33,7 @@ import os
 import re
 import shutil
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +41,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from axcore.checkpoint import _tree
+from axcore.checkpoint import _tree, _verify
 from axcore.checkpoint.base import CheckpointError, PyTree
 
 log = logging.getLogger(__name__)
@@ -65,8 +71,14 @@ class _Leaf:
     chunk: tuple[int, ...]
     pieces: list[tuple[_Index, np.ndarray]] = field(default_factory=list)
 
-    def entry(self) -> dict:
-        return {"path": self.path, "name": self.name, "shape": list(self.shape), "dtype": self.dtype.name}
+    def entry(self, checksums: list[dict]) -> dict:
+        return {
+            "path": self.path,
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype.name,
+            "pieces": checksums,
+        }
 
 
 class TensorStoreBackend:
@@ -145,20 +157,34 @@ class TensorStoreBackend:
         for leaf, future in zip(leaves, opening):
             store = future.result()
             writes += [store[_slices(index)].write(data) for index, data in leaf.pieces if data.size]
+        checksums = {leaf.path: [_verify.piece(i, d) for i, d in leaf.pieces if d.size] for leaf in leaves}
         for w in writes:
             w.result()
         pid, nproc = jax.process_index(), jax.process_count()
         if nproc > 1:
-            _atomic_write(os.path.join(step_dir, f"done.{pid}"), "")
+            _atomic_write(os.path.join(step_dir, f"done.{pid}"), json.dumps(checksums))
         if pid != 0:
             self._await(os.path.join(step_dir, COMMIT_MARKER), f"process 0 to commit step {step}")
             return
         for other in range(1, nproc):
-            self._await(os.path.join(step_dir, f"done.{other}"), f"process {other} to write its shards of step {step}")
-        arrays = [leaf.entry() for leaf in leaves]
-        index = {"format": _FORMAT, "step": step, "metadata": metadata, "arrays": arrays, "empty": empty}
-        _atomic_write(os.path.join(step_dir, INDEX_FILE), json.dumps(index, indent=1))
-        _atomic_write(os.path.join(step_dir, COMMIT_MARKER), json.dumps({"step": step, "time": time.time()}))
+            done = os.path.join(step_dir, f"done.{other}")
+            self._await(done, f"process {other} to write its shards of step {step}")
+            with open(done) as f:
+                for path, pieces in json.load(f).items():
+                    checksums[path] += pieces
+        arrays = [leaf.entry(checksums[leaf.path]) for leaf in leaves]
+        index = {
+            "format": _FORMAT,
+            "step": step,
+            "metadata": metadata,
+            "metadata_crc32": _verify.json_checksum(metadata),
+            "arrays": arrays,
+            "empty": empty,
+        }
+        text = json.dumps(index, indent=1)
+        _atomic_write(os.path.join(step_dir, INDEX_FILE), text)
+        commit = {"step": step, "time": time.time(), "index_crc32": zlib.crc32(text.encode())}
+        _atomic_write(os.path.join(step_dir, COMMIT_MARKER), json.dumps(commit))
         self._prune()
 
     def _await(self, path: str, what: str) -> None:
@@ -194,44 +220,99 @@ class TensorStoreBackend:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    def incomplete_steps(self) -> list[int]:
+        """Steps with a directory but no commit marker (interrupted saves, or one in flight)."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        matches = [_STEP_DIR.fullmatch(n) for n in names if not os.path.exists(os.path.join(self.directory, n, COMMIT_MARKER))]
+        return sorted(int(m.group(1)) for m in matches if m)
+
     # -- restoring ------------------------------------------------------------------------
 
     def restore(self, target: PyTree, step: int | None = None) -> tuple[PyTree, dict]:
         step = _tree.resolve_step(step, self.all_steps(), self.directory)
         where = f"step {step} in {self.directory}"
         step_dir = os.path.join(self.directory, step_dir_name(step))
-        try:
-            with open(os.path.join(step_dir, INDEX_FILE)) as f:
-                index = json.load(f)
-            entries = {e["path"]: e for e in index["arrays"]}
-            saved = index["arrays"] + index["empty"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(
-                f"Checkpoint {where} is marked committed but its {INDEX_FILE} is unreadable ({e}); "
-                f"delete {step_dir} to fall back to the previous step."
-            ) from None
+        index = self._read_index(step, step_dir, where)
+        entries = {e["path"]: e for e in index["arrays"]}
         abstract = _tree.abstract_target(target)
-        _tree.check_matches(saved, abstract, where)
+        _tree.check_matches(index["arrays"] + index["empty"], abstract, where)
+        _verify.verify_metadata(index["metadata"], index.get("metadata_crc32"), where, INDEX_FILE)
         flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        leaves = [entries[jax.tree_util.keystr(p)] for p, _ in flat]
         opening = [
-            ts.open(
-                _spec(os.path.join(step_dir, ARRAYS_DIR, entries[jax.tree_util.keystr(p)]["name"])),
-                open=True,
-                read=True,
-                context=self._context,
-            )
-            for p, _ in flat
+            ts.open(_spec(os.path.join(step_dir, ARRAYS_DIR, e["name"])), open=True, read=True, context=self._context)
+            for e in leaves
         ]
-        reads: list[dict[_Index, Any]] = []
-        for (_, sds), future in zip(flat, opening):
-            store = future.result()
+        reads: list[tuple[Any, dict[_Index, Any]]] = []
+        for (_, sds), entry, future in zip(flat, leaves, opening):
+            with self._reading(where, entry):
+                store = future.result()
+            got = (np.dtype(store.dtype.numpy_dtype).name, list(store.shape))
+            if got != (entry["dtype"], entry["shape"]):
+                file = f"{ARRAYS_DIR}/{entry['name']}/zarr.json"
+                why = (
+                    f"{entry['path']} in {file} is {got[0]}[{','.join(map(str, got[1]))}], "
+                    f"but {INDEX_FILE} recorded {_tree._describe(entry)}"
+                )
+                raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why)
             wanted = {_normalize(idx, sds.shape) for idx in sds.sharding.addressable_devices_indices_map(sds.shape).values()}
-            reads.append({index: store[_slices(index)].read() for index in wanted})
+            reads.append((store, {index: store[_slices(index)].read() for index in wanted}))
+        data: list[dict[_Index, np.ndarray]] = []
+        for entry, (store, pending) in zip(leaves, reads):
+            with self._reading(where, entry):
+                got = {index: r.result() for index, r in pending.items()}
+                _verify.verify_pieces(
+                    entry["path"],
+                    entry.get("pieces", ()),
+                    list(got.items()),
+                    where,
+                    f"{ARRAYS_DIR}/{entry['name']}",
+                    read=lambda index, store=store: store[_slices(index)].read().result(),
+                )
+            data.append(got)
         arrays = [
-            jax.make_array_from_callback(sds.shape, sds.sharding, lambda idx, r=r, s=sds.shape: r[_normalize(idx, s)].result())
-            for (_, sds), r in zip(flat, reads)
+            jax.make_array_from_callback(sds.shape, sds.sharding, lambda idx, r=r, s=sds.shape: r[_normalize(idx, s)])
+            for (_, sds), r in zip(flat, data)
         ]
         return jax.tree_util.tree_unflatten(treedef, arrays), index["metadata"]
+
+    def _read_index(self, step: int, step_dir: str, where: str) -> dict:
+        """index.json, checked against the CRC32 in the commit marker (when it has one)."""
+        try:
+            with open(os.path.join(step_dir, COMMIT_MARKER)) as f:
+                expected = json.loads(f.read() or "{}").get("index_crc32")
+            with open(os.path.join(step_dir, INDEX_FILE), "rb") as f:
+                raw = f.read()
+            if expected is not None and zlib.crc32(raw) != expected:
+                raise ValueError("it does not match the checksum in " + COMMIT_MARKER)
+            index = json.loads(raw)
+            for e in index["arrays"]:
+                e["path"], e["name"], e["shape"], e["dtype"]  # noqa: B018  (all present)
+            index["empty"], index["metadata"]  # noqa: B018
+        except CheckpointError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            why = _verify.cause(e)
+            raise CheckpointError(
+                f"Checkpoint {where} is marked committed but its {INDEX_FILE} is unreadable ({why}); "
+                f"delete {step_dir} to fall back to the previous step.",
+                reason=f"{INDEX_FILE} is unreadable: {why}",
+            ) from None
+        return index
+
+    @contextlib.contextmanager
+    def _reading(self, where: str, entry: dict):
+        """Turns a storage error while reading `entry` into a one-line CheckpointError."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as e:
+            why = f"{entry['path']} ({ARRAYS_DIR}/{entry['name']}) cannot be read: {_verify.cause(e)}"
+            raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why) from None
 
     def close(self) -> None:
         try:

@@ -2,7 +2,8 @@
 
 Components are written by their registered names (`type: linear`), never as import
 paths; reading resolves names through a `Resolver` (the plugin manager's registries
-implement it). YAML is read with `yaml.safe_load` only.
+implement it). YAML is read with a hardened `yaml.SafeLoader` only (`safe_load`,
+see `axcore.config.safe_yaml`).
 
 Reading merges onto a base tree: a mapping updates the fields it names and keeps
 the rest, and a `type:` that differs from the base's starts from that component's
@@ -12,7 +13,6 @@ default config. A full dump read back onto nothing gives an equal tree.
 from __future__ import annotations
 
 import enum
-import re
 import inspect
 import math
 import types
@@ -30,30 +30,23 @@ from axcore.config.base import (
     coerce,
     default_config_for,
 )
+from axcore.config import safe_yaml
 from axcore.config.traversal import join_path, split_path
 from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
 
 TYPE_KEY = "type"
 
 
-class _SafeLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that also reads `1e-4` and `3E5` as floats (YAML 1.2 floats).
+def safe_load(source: str | bytes, label: str = "<yaml>") -> Any:
+    """Parses YAML with the hardened safe loader (no Python object construction).
 
-    PyYAML follows YAML 1.1, where a float needs a dot (`1.0e-4`); `lr: 1e-4` would
-    otherwise be the string "1e-4".
+    See `axcore.config.safe_yaml`: size, depth and alias-expansion limits, strict
+    UTF-8 for bytes, duplicate keys refused, `1e-4` read as a float.
+
+    Raises:
+        YAMLInputError (a ConfigError): one line, `<label>: <problem>`.
     """
-
-
-_SafeLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def safe_load(text: str) -> Any:
-    """Parses YAML with a safe loader (no Python object construction)."""
-    return yaml.load(text, Loader=_SafeLoader)  # noqa: S506 - a SafeLoader subclass.
+    return safe_yaml.load(source, label)
 
 
 class Resolver(Protocol):
@@ -228,8 +221,8 @@ def from_yaml(text: str, resolver: Resolver, base: ConfigBase | None = None) -> 
     """Parses YAML (safe loader) into a config merged onto `base`."""
     try:
         data = safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"Invalid YAML: {e}".replace("\n", " ")) from e
+    except safe_yaml.YAMLInputError as e:
+        raise safe_yaml.YAMLInputError("Invalid YAML", e.problem) from None
     return from_dict(data if data is not None else {}, resolver, base)
 
 
@@ -270,10 +263,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     path = path.strip()
     if not sep or not path:
         raise ConfigError(f"Override '{text}' must look like PATH=VALUE, e.g. model.num_layers=2.")
-    try:
-        value = safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"Override '{text}': value is not valid YAML ({e}).") from e
+    value = safe_load(raw, label=f"--set {path}") if raw.strip() else None
     return path, value
 
 

@@ -35,6 +35,8 @@ class CheckpointConfig(ConfigBase):
     async_save: bool = True
     # Resume from the latest committed checkpoint in the run directory, if there is one.
     resume: bool = True
+    # Restore exactly this step (fail if it does not verify); None: the latest step that verifies.
+    restore_step: int | None = None
 
 
 class SampleConfig(ConfigBase):

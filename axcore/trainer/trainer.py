@@ -375,8 +375,12 @@ class Trainer:
             train_iter = self.cfg.input.make_iterator(Split.TRAIN, self.tokenizer)
             eval_iter = self.cfg.input.make_iterator(Split.EVAL, self.tokenizer) if tcfg.eval_every else None
             state, start = None, 0
-            if tcfg.checkpoint.resume and backend.latest_step() is not None:
-                state, metadata = backend.restore(self.abstract_state())
+            ckpt = tcfg.checkpoint
+            if ckpt.restore_step is not None or (ckpt.resume and backend.latest_step() is not None):
+                from axcore.checkpoint.base import restore_verified  # Falls back to the latest step that verifies.
+
+                report = lambda line: print(line, file=self.stream)  # noqa: E731
+                state, metadata, _ = restore_verified(backend, self.abstract_state(), ckpt.restore_step, report=report)
                 train_iter.set_state(metadata["input"])
                 start = int(state["step"])
                 print(f"Resumed from step {start} in {self.run_dir}", file=self.stream)
