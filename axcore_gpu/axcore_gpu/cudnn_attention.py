@@ -37,13 +37,13 @@ reference (which averages every key for them).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
+from axcore.kernels.attention_sharding import attention_mesh_layout
 from jax.sharding import PartitionSpec
 
 from axcore_gpu.devices import cuda_compute_capability
@@ -92,44 +92,8 @@ def mapped_attention(
     return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **arguments)
 
 
-def _padded(spec: Any) -> tuple[Any, ...]:
-    """A `[b, t, n, h]` PartitionSpec as 4 entries (trailing ones None)."""
-    entries = tuple(spec)
-    return entries + (None,) * (4 - len(entries))
-
-
-def _axes(entry: Any) -> str:
-    return "+".join(entry) if isinstance(entry, tuple) else str(entry)
-
-
-def mesh_layout(problem: AttentionProblem) -> tuple[Support, tuple[PartitionSpec, PartitionSpec] | None]:
-    """Whether the problem's sharding can run, and the `(q_spec, kv_spec)` to shard_map over.
-
-    The specs are None when no shard_map is needed: no mesh, a one-device mesh, or
-    inputs replicated over the whole mesh.
-    """
-    mesh = problem.mesh
-    if mesh is None or math.prod(mesh.shape.values()) == 1:
-        return SUPPORTED, None
-    specs = tuple(problem.input_specs[:3])
-    if len(specs) < 3 or any(spec is None for spec in specs):
-        return Support(False, "input_specs of q, k, v are unknown under a multi-device mesh"), None
-    q_spec, k_spec, v_spec = (_padded(spec) for spec in specs)
-    if k_spec != v_spec:
-        return Support(False, f"k and v are sharded differently ({k_spec} vs {v_spec})"), None
-    for name, spec in (("q", q_spec), ("k", k_spec)):
-        if spec[1] is not None:
-            return Support(False, f"{name}'s sequence dim is sharded over mesh axis {_axes(spec[1])}"), None
-        if spec[3] is not None:
-            return Support(False, f"{name}'s head_dim is sharded over mesh axis {_axes(spec[3])}"), None
-    if q_spec[0] != k_spec[0]:
-        return Support(False, f"q's batch is sharded over {q_spec[0]} but k's over {k_spec[0]}"), None
-    if q_spec[2] != k_spec[2]:
-        # Sharding query heads but not kv heads (or otherwise) breaks the head -> kv-head grouping.
-        return Support(False, f"query heads are sharded over {q_spec[2]} but kv heads over {k_spec[2]}"), None
-    if q_spec[0] is None and q_spec[2] is None:
-        return SUPPORTED, None
-    return SUPPORTED, (PartitionSpec(*q_spec), PartitionSpec(*k_spec))
+# Shared with every per-device attention kernel (the name this package has exported).
+mesh_layout = attention_mesh_layout
 
 
 class CudnnAttention:
