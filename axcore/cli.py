@@ -265,7 +265,8 @@ def main(argv: Sequence[str] | None = None, *, objects: Mapping[str, Any] | None
         args.objects = objects
         return COMMANDS[args.command](args)
     except AxcoreError as e:
-        print(f"axcore: error: {_one_line(e)}", file=sys.stderr)
+        for problem in getattr(e, "problems", None) or [e]:  # ConfigValidationError: one line per problem.
+            print(f"axcore: error: {_one_line(problem)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("axcore: interrupted", file=sys.stderr)

@@ -26,6 +26,13 @@ Every process runs the same program on the global arrays; the batch iterator is
 deterministic, so each process reads the same global batch and places only the rows its
 own devices hold (`place_batch`). Only process 0 writes the run's config, metrics, plots
 and progress; checkpoints are written by every process (each its own shards).
+
+When a process dies, the others stop too, since none can go on alone: at once, with a
+message naming the lost process and exit status 75, through `axcore.peer_watch` (off
+with `AXCORE_WATCH_PEERS=0`); a process lost silently (host down, network cut) is caught
+by JAX's heartbeat after `heartbeat_timeout` seconds (`AXCORE_HEARTBEAT_TIMEOUT`), which
+aborts the others. Restarting all processes with the same run directory resumes from the
+last committed checkpoint.
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ ENV_COORDINATOR = "AXCORE_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "AXCORE_NUM_PROCESSES"
 ENV_PROCESS_ID = "AXCORE_PROCESS_ID"
 ENV_COORDINATOR_PORT = "AXCORE_COORDINATOR_PORT"
+# Lost-process settings (any source): DistributedSettings.heartbeat_timeout and .watch_peers.
+ENV_HEARTBEAT_TIMEOUT = "AXCORE_HEARTBEAT_TIMEOUT"
+ENV_WATCH_PEERS = "AXCORE_WATCH_PEERS"
 # Port of the JobSet coordinator when AXCORE_COORDINATOR_PORT is unset (JAX's usual one).
 DEFAULT_COORDINATOR_PORT = 8476
 # Variables `srun` sets that JAX's Slurm detection needs.
@@ -73,6 +83,10 @@ class DistributedSettings:
     source: str
     # Seconds to wait for every process to join.
     initialization_timeout: int = 300
+    # Seconds without a heartbeat before JAX counts a process as lost and aborts the others (JAX's default).
+    heartbeat_timeout: int = 100
+    # Stop at once with a clear message (exit 75) when another process dies (`axcore.peer_watch`).
+    watch_peers: bool = True
 
 
 def _integer(value: Any, what: str) -> int:
@@ -141,14 +155,34 @@ def distributed_settings(
     elif all(name in environ for name in SLURM_VARIABLES):
         if _integer(environ["SLURM_NTASKS"], "SLURM_NTASKS") <= 1:
             return None
-        return DistributedSettings(None, None, None, "slurm")
+        settings = DistributedSettings(None, None, None, "slurm")
     else:
         return None
-    return settings if settings.num_processes > 1 else None
+    if settings.num_processes is not None and settings.num_processes <= 1:
+        return None
+    return _with_failure_settings(settings, environ)
+
+
+def _with_failure_settings(settings: DistributedSettings, environ: Mapping[str, str]) -> DistributedSettings:
+    """`settings` with the lost-process settings from AXCORE_HEARTBEAT_TIMEOUT and AXCORE_WATCH_PEERS."""
+    if environ.get(ENV_HEARTBEAT_TIMEOUT):
+        timeout = _integer(environ[ENV_HEARTBEAT_TIMEOUT], ENV_HEARTBEAT_TIMEOUT)
+        if timeout < 1:
+            raise DistributedError(f"{ENV_HEARTBEAT_TIMEOUT} must be at least 1 (seconds), got {timeout}.")
+        settings = dataclasses.replace(settings, heartbeat_timeout=timeout)
+    if environ.get(ENV_WATCH_PEERS):
+        value = environ[ENV_WATCH_PEERS].strip().lower()
+        if value not in ("0", "1", "true", "false"):
+            raise DistributedError(f"{ENV_WATCH_PEERS} must be 1 or 0, got {environ[ENV_WATCH_PEERS]!r}.")
+        settings = dataclasses.replace(settings, watch_peers=value in ("1", "true"))
+    return settings
 
 
 def initialize_distributed(settings: DistributedSettings | None) -> None:
     """Joins the job (`jax.distributed.initialize`); nothing for None. Before JAX's backend starts.
+
+    Then, with `settings.watch_peers`, starts `axcore.peer_watch` (its address broadcast
+    starts the backend: XLA flags must be set by then, as `load_experiment` does).
 
     Raises:
         DistributedError: the coordinator could not be reached or the job not formed in time.
@@ -161,6 +195,7 @@ def initialize_distributed(settings: DistributedSettings | None) -> None:
             num_processes=settings.num_processes,
             process_id=settings.process_id,
             initialization_timeout=settings.initialization_timeout,
+            heartbeat_timeout_seconds=settings.heartbeat_timeout,
         )
     except (RuntimeError, ValueError) as e:
         raise DistributedError(
@@ -170,6 +205,11 @@ def initialize_distributed(settings: DistributedSettings | None) -> None:
             f"with the same coordinator address and that it is reachable."
         ) from e
     logger.info("Joined as process %d of %d.", jax.process_index(), jax.process_count())
+    if settings.watch_peers:
+        from axcore import peer_watch
+
+        host = settings.coordinator_address.rsplit(":", 1)[0] if settings.coordinator_address else None
+        peer_watch.start(jax.process_index(), jax.process_count(), host)
 
 
 def is_primary() -> bool:

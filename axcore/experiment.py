@@ -20,12 +20,12 @@ import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED, ConfigBase, InstantiableConfig, dump_flat, from_dict, parse_override
+from axcore.config import REQUIRED, ConfigBase, ConfigValidationError, InstantiableConfig, Matches, dump_flat, from_dict, parse_override
 from axcore.config.safe_yaml import read_file as read_yaml_file
 from axcore.config.serialize import flatten, format_value, nest_path, safe_load, to_dict
 from axcore.data import ByteTokenizer, InputConfig, Tokenizer
@@ -57,6 +57,7 @@ from axcore.registry import Registration, Registry
 from axcore.trainer.config import TrainerConfig, check_trainer_config
 from axcore.trainer.learner import check_component
 from axcore.distributed import DistributedSettings, initialize_distributed
+from axcore.validation import validate_experiment
 from axcore.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,12 @@ class MeshConfig(ConfigBase):
     mesh_axis_names: tuple[str, ...] | None = None
     # Logical axis -> mesh axis (or list of axes, or null); None = the rule's.
     axis_rules: dict[str, Any] | None = None
+
+    def check_fields(self) -> list[tuple[str, str]]:
+        shape = self.mesh_shape
+        if shape is not None and (shape.count(-1) > 1 or any(d < 1 and d != -1 for d in shape)):
+            return [("mesh_shape", f"needs positive sizes and at most one -1 (all remaining devices), got {list(shape)}.")]
+        return []
 
 
 class MeshRuleConfig(ConfigBase):
@@ -108,8 +115,8 @@ def default_model() -> InstantiableConfig:
 class ExperimentConfig(ConfigBase):
     """Everything a training run needs."""
 
-    # Experiment name; run directories are named after it.
-    name: str = "default"
+    # Experiment name; run directories are named after it (letters, digits, '.', '_', '-').
+    name: Annotated[str, Matches(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", "1-100 letters, digits, '.', '_' or '-' (not first)")] = "default"
     # Plugins to enable, in order (names with optional version specifiers).
     plugins: list[str] = []
     # The model.
@@ -395,6 +402,7 @@ def load_experiment(
             )
         settings_raw[key] = raw.pop(key)
     config = from_dict(raw, manager.registries, ExperimentConfig())
+    override_errors: list[ConfigError] = []
     for path, value in parsed:
         head = path.split(".", 1)[0].split("[", 1)[0]
         if path == "plugins":
@@ -402,7 +410,14 @@ def load_experiment(
         if head in plugin_names:
             _deep_merge(settings_raw, nest_path(path, value))
         else:
-            config = from_dict(nest_path(path, value), manager.registries, config)
+            try:
+                config = from_dict(nest_path(path, value), manager.registries, config)
+            except ConfigError as e:  # Every bad override is reported, not just the first.
+                override_errors.append(e)
+    if len(override_errors) == 1:
+        raise override_errors[0]
+    if override_errors:
+        raise ConfigValidationError([" ".join(str(e).split()) for e in override_errors])
     settings = manager.settings(settings_raw)
     config = manager.transform_config(config, settings)
     if not isinstance(config, ExperimentConfig):
@@ -419,7 +434,7 @@ def load_experiment(
         flags_variable = manager.flags_environment(config.mesh.instance_type)
         if apply_xla_flags:
             _apply_flags(config.xla_flags, config.mesh.instance_type, None, flags_variable)
-    check_experiment_config(config, manager)
+    validate_experiment(config, settings, manager.registries, lambda: check_experiment_config(config, manager))
     return Experiment(config, manager, settings, label, mesh_rule, mesh_modifiers, flags_variable)
 
 
@@ -462,11 +477,6 @@ def check_experiment_config(config: ExperimentConfig, manager: AxcorePluginManag
     registries = manager.registries
     check_component(config.tokenizer, Tokenizer, "tokenizer", names=registries.tokenizers.names())
     check_trainer_config(config.trainer, registries)
-    if config.input.batch_size % config.trainer.microbatches:
-        raise ConfigError(
-            f"'input.batch_size' ({config.input.batch_size}) must be divisible by 'trainer.microbatches' "
-            f"({config.trainer.microbatches})."
-        )
 
 
 def _deep_merge(into: dict, update: dict) -> None:

@@ -12,12 +12,12 @@ import enum
 import math
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import jax
 import jax.numpy as jnp
 
-from axcore.config import ConfigBase
+from axcore.config import ConfigBase, Positive
 
 # initializer(prng_key, shape, dtype) -> array of that shape and dtype.
 Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
@@ -116,7 +116,7 @@ class ParamInit(ConfigBase):
     # Distribution of the initial values (truncated normal is cut at two std and rescaled).
     distribution: Distribution = Distribution.NORMAL
     # Standard deviation multiplier.
-    scale: float = 1.0
+    scale: Annotated[float, Positive] = 1.0
     # Which fan divides the variance.
     fan: FanMode = FanMode.FAN_IN
 

@@ -11,12 +11,14 @@ explicitly (the escape hatch when an installed plugin is broken).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import inspect
 import logging
 import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -106,10 +108,34 @@ def autoload_disabled() -> bool:
     return bool(os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip())
 
 
+def _path_fingerprint() -> tuple:
+    """`sys.path` with each directory's modification time: changes when a distribution is installed or removed."""
+    stamps = []
+    for entry in sys.path:
+        try:
+            stamps.append((entry, os.stat(entry or ".").st_mtime_ns))
+        except OSError:
+            stamps.append((entry, None))
+    return tuple(stamps)
+
+
+_ENTRY_POINTS_CACHE: dict[str, tuple[tuple, tuple[importlib.metadata.EntryPoint, ...]]] = {}
+
+
 def installed_entry_points() -> dict[str, list[importlib.metadata.EntryPoint]]:
-    """Plugin name -> entry points of that name in the `axcore` group (not imported)."""
+    """Plugin name -> entry points of that name in the `axcore` group (not imported).
+
+    Scanning every distribution's metadata is the slow part of resolving an
+    experiment; the scan is reused while `sys.path` and its directories are unchanged
+    (installing or removing a distribution changes its directory's modification time).
+    """
+    fingerprint = _path_fingerprint()
+    cached = _ENTRY_POINTS_CACHE.get(ENTRY_POINT_GROUP)
+    if cached is None or cached[0] != fingerprint:
+        cached = (fingerprint, tuple(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)))
+        _ENTRY_POINTS_CACHE[ENTRY_POINT_GROUP] = cached
     found: dict[str, list[importlib.metadata.EntryPoint]] = {}
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    for ep in cached[1]:
         found.setdefault(ep.name, []).append(ep)
     return found
 
@@ -513,6 +539,7 @@ def create_plugin_manager(
     return manager
 
 
+@functools.cache
 def _core_version() -> str:
     try:
         return importlib.metadata.version(BUILTIN_DISTRIBUTION)

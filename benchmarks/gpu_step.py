@@ -259,7 +259,12 @@ def setup_axcore(args: argparse.Namespace, shape: LlamaShape, attention: str) ->
 
     # The GPU plugin is listed when installed, so its kernels are registered on any platform.
     plugins = ["rope", "swiglu"] + (["gpu"] if "gpu" in installed_entry_points() else [])
-    experiment = load_experiment(None, axcore_overrides(shape, args, attention, plugins))
+    from axcore.errors import AxcoreError
+
+    try:  # A forced kernel no plugin registers is a config error at load.
+        experiment = load_experiment(None, axcore_overrides(shape, args, attention, plugins))
+    except AxcoreError as e:
+        raise BenchmarkError(f"--attention {attention}: {e}") from e
     cfg, hyper, notes = experiment.config, hyper_of(experiment), []
     if cfg.model.final_norm.eps != hyper.norm_eps:
         raise BenchmarkError(f"final norm eps {cfg.model.final_norm.eps} != layer norm eps {hyper.norm_eps}")

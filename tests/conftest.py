@@ -1,6 +1,24 @@
-"""Shared fixtures."""
+"""Shared fixtures, and one persistent JAX compilation cache for the whole test session.
+
+Many tests start `axcore train` in subprocesses on the same tiny model; sharing XLA's
+compiled programs through a cache directory (removed at the end of the session)
+saves their repeated compiles. The cache holds the same programs, so no result
+depends on it; a cache directory the caller set is kept as it is.
+"""
+
+import atexit
+import os
+import shutil
+import tempfile
 
 import pytest
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE = tempfile.mkdtemp(prefix="axcore-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    # Only compiles that take a while are worth a disk round trip.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 from axcore.plugins import builtin_registries
 

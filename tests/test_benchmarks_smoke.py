@@ -16,7 +16,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MACHINE_KEYS = {"cpu_model", "cores", "python", "jax_version", "backend", "device_kind", "device_count"}
-BENCHMARKS = ["step_time", "utilization", "memory", "compile_time", "startup", "checkpoint_io", "dispatch_overlap"]
+BENCHMARKS = [
+    "step_time", "utilization", "memory", "compile_time", "startup", "checkpoint_io", "dispatch_overlap", "recovery_latency"
+]
 
 pytestmark = pytest.mark.slow
 
@@ -106,3 +108,16 @@ def test_checkpoint_io_covers_both_backends(results):
     assert all(_is_summary(e) for e in data["results"].values())
     kinds = ("blocking_s", "save_throughput_vs_raw", "restore_throughput_vs_raw")
     assert set(data["targets"]) == {f"{b}/{t}" for b in backends for t in kinds}
+
+
+def test_recovery_latency_smoke_splits_each_recovery(results):
+    data = _load(results, "recovery_latency")
+    assert set(data["results"]) == {"orbax/warm", "tensorstore/warm"}
+    for name, samples in data["samples"].items():
+        for s in samples:
+            # The phases add up to the total; every phase took time; it resumed from a committed step.
+            parts = (s["restart_s"], s["restore_s"], s["compile_s"], s["first_step_s"])
+            assert sum(parts) == pytest.approx(s["total_s"], abs=1e-6)
+            assert min(parts) > 0, (name, s)
+            assert s["restored_step"] >= 5 and s["restored_step"] % 5 == 0, (name, s)
+    assert all(_is_summary(e["total_s"]) for e in data["results"].values())

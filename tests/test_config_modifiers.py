@@ -240,7 +240,7 @@ def test_microbatches_must_divide_the_batch(exp):
         microbatches(0)
     with pytest.raises(ConfigError, match=r"'input\.batch_size' \(4\) must be divisible by 'trainer\.microbatches' \(3\)"):
         load_experiment(None, [*FIXED, "trainer.microbatches=3"])
-    with pytest.raises(ConfigError, match=r"'trainer\.microbatches' must be >= 1"):
+    with pytest.raises(ConfigError, match=r"'trainer\.microbatches' must be > 0"):
         load_experiment(None, [*FIXED, "trainer.microbatches=0"])
 
 

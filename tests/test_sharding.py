@@ -137,7 +137,7 @@ def test_every_parameter_names_its_sharded_dims():
     """Each dim of each parameter has the logical axis of what it spans (sizes chosen distinct)."""
     overrides = [
         "plugins=[swiglu, moe]", "model.dim=32", "model.decoder.layer.feed_forward.hidden_dim=96",
-        "model.position_embedding.max_len=40", "model.decoder.layer.self_attention.num_heads=2",
+        "model.position_embedding.max_len=40", "input.seq_len=32", "model.decoder.layer.self_attention.num_heads=2",
         "moe.num_experts=6", "model.num_layers=4",
     ]
     allowed = {32: {"embed", "norm"}, 96: {"mlp"}, 256: {"vocab"}, 2: {"heads", "kv_heads"}, 16: {None}, 40: {None},

@@ -291,6 +291,8 @@ class TensorStoreBackend:
             index = json.loads(raw)
             for e in index["arrays"]:
                 e["path"], e["name"], e["shape"], e["dtype"]  # noqa: B018  (all present)
+                if not isinstance(e["name"], str) or not _SAFE_NAME.fullmatch(e["name"]):
+                    raise ValueError(f"array name {e['name']!r} is not one this backend writes (it could escape {ARRAYS_DIR}/)")
             index["empty"], index["metadata"]  # noqa: B018
         except CheckpointError:
             raise
@@ -365,6 +367,10 @@ def _snapshot(state: PyTree) -> list[_Leaf]:
             pieces = [(_normalize((), shape), value)] if jax.process_index() == 0 else []
         leaves.append(_Leaf(jax.tree_util.keystr(path), name, shape, dtype, chunk, pieces))
     return leaves
+
+
+# The array names `_unique_name` makes (dot-joined sanitized keys): never a path separator or "..".
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*(-[0-9]+)?")
 
 
 def _unique_name(path: tuple, used: set[str]) -> str:

@@ -12,6 +12,21 @@ from axcore.config.base import (
     config_for_function,
     default_config_for,
 )
+from axcore.config.constraints import (
+    AllowNonFinite,
+    ConfigValidationError,
+    Constraint,
+    Matches,
+    MaxLength,
+    NonNegative,
+    Positive,
+    Probability,
+    Range,
+    Seed,
+    UnitInterval,
+    config_problems,
+    validate_config,
+)
 from axcore.config.serialize import (
     Resolver,
     apply_overrides,
@@ -26,6 +41,19 @@ from axcore.config.serialize import (
 from axcore.config.traversal import find, get_path, is_config_of, remove, replace, walk
 
 __all__ = [
+    "AllowNonFinite",
+    "ConfigValidationError",
+    "Constraint",
+    "Matches",
+    "MaxLength",
+    "NonNegative",
+    "Positive",
+    "Probability",
+    "Range",
+    "Seed",
+    "UnitInterval",
+    "config_problems",
+    "validate_config",
     "REQUIRED",
     "CallableConfig",
     "ClassConfig",

@@ -62,10 +62,26 @@ class DType:
     """
 
 
+# Kinds of dtype a DType field accepts: floats (bfloat16 and float8 too), signed and unsigned ints, bool.
+_DTYPE_KINDS = "fiub"
+
+
 def _to_dtype(value: Any) -> np.dtype:
     import jax.numpy as jnp  # Deferred: building configs must not require JAX at import.
 
-    return np.dtype(jnp.dtype(value))
+    if isinstance(value, str) and not value.isidentifier():
+        raise TypeError(value)  # Type codes like '<U4' or 'O': names only.
+    dtype = np.dtype(jnp.dtype(value))
+    if dtype.kind not in _DTYPE_KINDS and not _is_ml_dtype(dtype):
+        raise TypeError(value)
+    return dtype
+
+
+def _is_ml_dtype(dtype: np.dtype) -> bool:
+    """bfloat16 and the float8 types (ml_dtypes' numpy kind is 'V')."""
+    import ml_dtypes
+
+    return dtype.kind == "V" and dtype.name in ml_dtypes.__all__ and "complex" not in dtype.name
 
 
 def _type_name(tp: Any) -> str:
@@ -84,6 +100,8 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
     if value is REQUIRED or tp is Any or tp is object:
         return value
     origin = typing.get_origin(tp)
+    if origin is typing.Annotated:  # Range constraints are checked by axcore.config.constraints.
+        return coerce(value, typing.get_args(tp)[0], path)
     args = typing.get_args(tp)
     if origin is typing.Union or origin is types.UnionType:
         # Exact matches first, so `int | float` keeps an int an int.
@@ -150,6 +168,8 @@ def _exact_match(value: Any, tp: Any) -> bool:
 
 def _describe(tp: Any) -> str:
     origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _describe(typing.get_args(tp)[0])
     if origin is typing.Union or origin is types.UnionType:
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if inspect.isclass(tp) and issubclass(tp, enum.Enum):
@@ -284,6 +304,15 @@ class ConfigBase:
     def items(self) -> list[tuple[str, Any]]:
         """(field, value) pairs in declaration order."""
         return [(name, self.__dict__[name]) for name in type(self)._field_defaults]
+
+    def check_fields(self) -> list[tuple[str, str]]:
+        """Checks across this node's fields: `(field, problem)` pairs, e.g.
+        `("head_dim", "must be set when num_heads does not divide input_dim (3 into 64)")`.
+
+        Called by `axcore.config.constraints.validate_config` after every field's own
+        range; the default finds nothing. Subclasses extend it.
+        """
+        return []
 
     def missing_required(self) -> list[str]:
         """Names of this node's fields (not descendants') still REQUIRED."""

@@ -22,11 +22,11 @@ every eval window counts exactly once and batch shapes never change.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 
-from axcore.config import ConfigBase, InstantiableConfig
+from axcore.config import ConfigBase, InstantiableConfig, Positive, Seed
 from axcore.data.errors import DataError
 from axcore.data.sources import DataSource, EmbeddedCorpus, Split, as_split
 from axcore.data.tokenizer import Tokenizer
@@ -47,6 +47,9 @@ class BatchIterator:
         shuffle: visit windows in a seeded random order per epoch, else in order.
         num_epochs: None (the default) iterates forever; a number stops after that
             many passes, padding the last batch (see the module docstring).
+        vocab_size: if given, every batch's token ids are checked to lie in
+            [0, vocab_size) as it is read (DataError naming the first bad id and where).
+        source: how errors name the data, e.g. "Token file 'x.bin'".
     """
 
     def __init__(
@@ -58,6 +61,8 @@ class BatchIterator:
         seed: int = 0,
         shuffle: bool = True,
         num_epochs: int | None = None,
+        vocab_size: int | None = None,
+        source: str = "The token stream",
     ):
         if getattr(tokens, "ndim", None) != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise DataError(
@@ -89,6 +94,9 @@ class BatchIterator:
         # Windows per epoch.
         self.num_windows = int(num_windows)
         self._offsets = np.arange(self.seq_len + 1, dtype=np.int64)
+        # Token ids must lie below this (None: unchecked).
+        self.vocab_size = vocab_size
+        self._source = source
         self._epoch = 0
         self._position = 0
         self._order_cache: tuple[int, np.ndarray] | None = None
@@ -132,7 +140,16 @@ class BatchIterator:
             raise StopIteration
         windows = self._take_windows()
         # [rows, T + 1]: fancy indexing reads just these tokens (also from a memmap).
-        chunk = np.asarray(self._tokens[windows[:, None] * self.seq_len + self._offsets], dtype=np.int32)
+        positions = windows[:, None] * self.seq_len + self._offsets
+        chunk = np.asarray(self._tokens[positions])
+        if self.vocab_size is not None and chunk.size and (chunk.max() >= self.vocab_size or chunk.min() < 0):
+            bad = np.flatnonzero((chunk >= self.vocab_size) | (chunk < 0))[0]
+            raise DataError(
+                f"{self._source} holds token id {int(chunk.flat[bad])} at position {int(positions.flat[bad])}, "
+                f"outside the model's vocabulary [0, {self.vocab_size}); the data was tokenized for another "
+                f"vocabulary, or its dtype is wrong (e.g. TokenFile.dtype), or model.vocab_size is too small."
+            )
+        chunk = chunk.astype(np.int32)
         input_ids = np.zeros((self.batch_size, self.seq_len), np.int32)
         target_labels = np.full((self.batch_size, self.seq_len), PAD_LABEL, np.int32)
         input_ids[: len(windows)] = chunk[:, :-1]
@@ -188,18 +205,21 @@ class InputConfig(ConfigBase):
     # The data source: a registered one (embedded_corpus, text_files, token_file, ...).
     source: InstantiableConfig = EmbeddedCorpus.default_config()
     # Sequences per batch.
-    batch_size: int = 8
+    batch_size: Annotated[int, Positive] = 8
     # Tokens per sequence (a window holds seq_len + 1 tokens).
-    seq_len: int = 256
+    seq_len: Annotated[int, Positive] = 256
     # Seed of the per-epoch shuffle of the train split.
-    seed: int = 0
+    seed: Annotated[int, Seed] = 0
     # Whether the train split visits windows in seeded random order (eval never shuffles).
     shuffle: bool = True
 
-    def make_iterator(self, split: Split, tokenizer: Tokenizer | None = None) -> BatchIterator:
+    def make_iterator(
+        self, split: Split, tokenizer: Tokenizer | None = None, *, vocab_size: int | None = None
+    ) -> BatchIterator:
         """Batches of `split`: TRAIN is endless (shuffled per `shuffle`), EVAL one pass in order.
 
         `tokenizer` tokenizes text sources (None: bytes); pre-tokenized sources ignore it.
+        `vocab_size`: token ids are checked against it as batches are read.
 
         Raises:
             DataError: if the source's data is missing or malformed, or the split is
@@ -223,6 +243,8 @@ class InputConfig(ConfigBase):
                 seed=self.seed,
                 shuffle=self.shuffle and train,
                 num_epochs=None if train else 1,
+                vocab_size=vocab_size,
+                source=f"The {split.value} split of {type(source).__name__}",
             )
         except DataError as e:
             raise DataError(f"The {split.value} split of {type(source).__name__}: {e}") from None

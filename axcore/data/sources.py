@@ -20,6 +20,7 @@ the tokenizer.
 
 from __future__ import annotations
 
+from typing import Annotated
 import codecs
 import enum
 import importlib.resources
@@ -29,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from axcore.config import REQUIRED, Configurable
+from axcore.config import REQUIRED, Configurable, Probability
 from axcore.data.errors import DataError
 from axcore.data.tokenizer import ByteTokenizer, Tokenizer
 
@@ -72,7 +73,7 @@ class DataSource(Configurable):
         """Configures DataSource."""
 
         # Share held out for eval: the last tokens (or documents); 0 means no eval split.
-        eval_fraction: float = 0.05
+        eval_fraction: Annotated[float, Probability] = 0.05
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)

@@ -9,11 +9,12 @@ against `Tokenizer`).
 
 from __future__ import annotations
 
+from typing import Annotated
 from collections.abc import Iterable
 
 import numpy as np
 
-from axcore.config import ClassConfig, Configurable
+from axcore.config import ClassConfig, Configurable, Positive
 
 
 class Tokenizer(Configurable):
@@ -56,7 +57,7 @@ class ByteTokenizer(Tokenizer):
         """Configures ByteTokenizer (it has no settings)."""
 
     # Number of distinct token ids.
-    vocab_size: int = 256
+    vocab_size: Annotated[int, Positive] = 256
 
     def encode(self, text: str) -> np.ndarray:
         """`text` -> int32 `[num_bytes]`, its UTF-8 encoding."""

@@ -9,12 +9,13 @@ the fallback. The forward is a sequence of named steps a subclass can replace:
 
 from __future__ import annotations
 
+from typing import Annotated
 import math
 
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED, InstantiableConfig
+from axcore.config import REQUIRED, InstantiableConfig, Positive, Probability
 from axcore.errors import ConfigError
 from axcore.kernels.attention import ATTENTION, AttentionProblem
 from axcore.kernels.registry import current_environment
@@ -34,27 +35,27 @@ class MultiheadAttention(BaseLayer):
         """Configures MultiheadAttention."""
 
         # Model dimension.
-        input_dim: int = REQUIRED
+        input_dim: Annotated[int, Positive] = REQUIRED
         # Number of query heads.
-        num_heads: int = REQUIRED
+        num_heads: Annotated[int, Positive] = REQUIRED
         # Number of key/value heads: None = num_heads (MHA), 1 = multi-query, else grouped.
-        num_kv_heads: int | None = None
+        num_kv_heads: Annotated[int, Positive] | None = None
         # Per-head dimension; None = input_dim // num_heads.
-        head_dim: int | None = None
+        head_dim: Annotated[int, Positive] | None = None
         # Whether query i may only attend to keys j <= i.
         causal: bool = False
         # Query i sees only the keys fewer than this many positions behind it; None = all.
-        sliding_window: int | None = None
+        sliding_window: Annotated[int, Positive] | None = None
         # Logit soft-cap c: logits = c * tanh(logits / c); None = none.
-        softcap: float | None = None
+        softcap: Annotated[float, Positive] | None = None
         # Dropout rate on the attention probabilities, in training only.
-        dropout_rate: float = 0.0
+        dropout_rate: Annotated[float, Probability] = 0.0
         # Slot for a position embedding acting on queries/keys (a relative one); None = none.
         position_embedding: InstantiableConfig | None = None
         # Attention kernel to force by name; None = highest-priority kernel that supports the call.
         kernel: str | None = None
         # Softmax scale; None = 1 / sqrt(head_dim).
-        scale: float | None = None
+        scale: Annotated[float, Positive] | None = None
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -63,6 +64,11 @@ class MultiheadAttention(BaseLayer):
             raise ConfigError(
                 f"{self.path}: num_heads ({cfg.num_heads}) must be a multiple of "
                 f"num_kv_heads ({cfg.num_kv_heads})."
+            )
+        if cfg.head_dim is None and cfg.input_dim % cfg.num_heads:
+            raise ConfigError(
+                f"{self.path}: num_heads ({cfg.num_heads}) must divide the model dimension ({cfg.input_dim}), "
+                f"or set head_dim explicitly."
             )
         if cfg.position_embedding is not None:
             self._add_child(

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED, DType
+from axcore.config import REQUIRED, DType, Positive
 from axcore.errors import ConfigError
 from axcore.layers.base import BaseLayer, DotSite
 from axcore.params import FanAxes, ParameterSpec
@@ -18,9 +19,9 @@ class Linear(BaseLayer):
         """Configures Linear."""
 
         # Size of the last input dimension.
-        input_dim: int = REQUIRED
+        input_dim: Annotated[int, Positive] = REQUIRED
         # Size of the last output dimension.
-        output_dim: int = REQUIRED
+        output_dim: Annotated[int, Positive] = REQUIRED
         # Whether to add a bias.
         bias: bool = True
         # Logical axis names of the weight `[input_dim, output_dim]`.
@@ -58,9 +59,9 @@ class Embedding(BaseLayer):
         """Configures Embedding."""
 
         # Vocabulary size.
-        num_embeddings: int = REQUIRED
+        num_embeddings: Annotated[int, Positive] = REQUIRED
         # Embedding dimension.
-        dim: int = REQUIRED
+        dim: Annotated[int, Positive] = REQUIRED
         # Whether `attend` (logits against the table, a tied output head) is used; a model sets it.
         tied_head: bool = False
 
@@ -100,9 +101,9 @@ class RMSNorm(BaseLayer):
         """Configures RMSNorm."""
 
         # Size of the normalized (last) dimension.
-        input_dim: int = REQUIRED
+        input_dim: Annotated[int, Positive] = REQUIRED
         # Added to the mean square for numerical stability.
-        eps: float = 1e-6
+        eps: Annotated[float, Positive] = 1e-6
 
     def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
         # Logical axis "norm" (replicated by default): a few bytes, read by every shard.
@@ -121,9 +122,9 @@ class LayerNorm(BaseLayer):
         """Configures LayerNorm."""
 
         # Size of the normalized (last) dimension.
-        input_dim: int = REQUIRED
+        input_dim: Annotated[int, Positive] = REQUIRED
         # Added to the variance for numerical stability.
-        eps: float = 1e-5
+        eps: Annotated[float, Positive] = 1e-5
         # Whether to add a learned bias after scaling.
         bias: bool = True
 

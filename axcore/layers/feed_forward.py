@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Annotated
 import enum
 
 import jax
 
-from axcore.config import REQUIRED
+from axcore.config import REQUIRED, Positive
 from axcore.layers.base import BaseLayer
 from axcore.layers.basic import Linear
 
@@ -53,9 +54,9 @@ class FeedForward(BaseLayer):
         """Configures FeedForward."""
 
         # Model dimension (input and output).
-        input_dim: int = REQUIRED
+        input_dim: Annotated[int, Positive] = REQUIRED
         # Hidden dimension.
-        hidden_dim: int = REQUIRED
+        hidden_dim: Annotated[int, Positive] = REQUIRED
         # Nonlinearity applied to the hidden layer.
         activation: Activation = Activation.GELU
         # Template for the projections (dimensions and axes are set by this layer).

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED, InstantiableConfig
+from axcore.config import REQUIRED, InstantiableConfig, NonNegative, Positive
 from axcore.config.traversal import find
 from axcore.errors import ConfigError
 from axcore.layers.attention import MultiheadAttention
@@ -19,7 +20,7 @@ AUX_LOSS = "aux_loss"
 LOGITS_AXES = ("batch", "seq", "vocab")
 
 
-def cross_entropy(logits, labels, weights, z_loss_scale: float = 0.0) -> tuple[jax.Array, dict]:
+def cross_entropy(logits, labels, weights, z_loss_scale: Annotated[float, NonNegative] = 0.0) -> tuple[jax.Array, dict]:
     """Weighted mean token cross-entropy plus optional z-loss.
 
     Args:
@@ -59,11 +60,11 @@ class CausalLM(BaseLayer):
         """Configures CausalLM."""
 
         # Vocabulary size.
-        vocab_size: int = REQUIRED
+        vocab_size: Annotated[int, Positive] = REQUIRED
         # Model dimension.
-        dim: int = REQUIRED
+        dim: Annotated[int, Positive] = REQUIRED
         # Number of decoder layers.
-        num_layers: int = REQUIRED
+        num_layers: Annotated[int, Positive] = REQUIRED
         # Token embedding.
         embedding: InstantiableConfig = Embedding.default_config()
         # Input position embedding slot (None: positions only inside attention).
@@ -75,7 +76,7 @@ class CausalLM(BaseLayer):
         # Output projection; None ties it to the token embedding.
         lm_head: InstantiableConfig | None = Linear.default_config().set(bias=False)
         # Weight of the z-loss mean(logsumexp(logits)^2).
-        z_loss_scale: float = 0.0
+        z_loss_scale: Annotated[float, NonNegative] = 0.0
 
     @classmethod
     def default_config(cls):

@@ -20,10 +20,11 @@ and `num_heads` (attention slots only).
 
 from __future__ import annotations
 
+from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED
+from axcore.config import REQUIRED, Positive
 from axcore.layers.base import BaseLayer
 from axcore.params import FanAxes, ParameterSpec
 
@@ -35,9 +36,9 @@ class PositionEmbedding(BaseLayer):
         """Configures PositionEmbedding."""
 
         # Feature dimension it acts on; set by the parent slot.
-        dim: int | None = None
+        dim: Annotated[int, Positive] | None = None
         # Number of query heads; set by attention slots.
-        num_heads: int | None = None
+        num_heads: Annotated[int, Positive] | None = None
 
     def embed_inputs(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """x `[batch, seq, dim]`, positions `[batch, seq]` int -> `[batch, seq, dim]`."""
@@ -68,7 +69,7 @@ class LearnedPositionEmbedding(PositionEmbedding):
         """Configures LearnedPositionEmbedding."""
 
         # Number of positions the table holds; longer inputs are an error.
-        max_len: int = REQUIRED
+        max_len: Annotated[int, Positive] = REQUIRED
 
     def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
         cfg = self._config

@@ -8,12 +8,13 @@ the same numbers.
 
 from __future__ import annotations
 
+from typing import Annotated
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED, InstantiableConfig
+from axcore.config import REQUIRED, InstantiableConfig, Positive, Probability
 from axcore.errors import ConfigError
 from axcore.layers.attention import MultiheadAttention
 from axcore.layers.base import BaseLayer, checkpoint_policy, with_fields
@@ -34,7 +35,7 @@ class TransformerLayer(BaseLayer):
         """Configures TransformerLayer."""
 
         # Model dimension.
-        input_dim: int = REQUIRED
+        input_dim: Annotated[int, Positive] = REQUIRED
         # Normalization before each sublayer (e.g. rms_norm or layer_norm).
         norm: InstantiableConfig = RMSNorm.default_config()
         # Self-attention sublayer.
@@ -42,7 +43,7 @@ class TransformerLayer(BaseLayer):
         # Feed-forward sublayer (any component mapping [.., dim] to [.., dim] fits).
         feed_forward: InstantiableConfig = FeedForward.default_config()
         # Dropout rate on each sublayer's output, in training only.
-        dropout_rate: float = 0.0
+        dropout_rate: Annotated[float, Probability] = 0.0
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -79,9 +80,9 @@ class StackedTransformer(BaseLayer):
         """Configures StackedTransformer."""
 
         # Model dimension.
-        input_dim: int = REQUIRED
+        input_dim: Annotated[int, Positive] = REQUIRED
         # Number of layers.
-        num_layers: int = REQUIRED
+        num_layers: Annotated[int, Positive] = REQUIRED
         # One config used for every layer, or a list with one config per layer.
         layer: InstantiableConfig | list[InstantiableConfig] = TransformerLayer.default_config()
 
@@ -128,9 +129,9 @@ class RepeatedTransformer(BaseLayer):
         """Configures RepeatedTransformer."""
 
         # Model dimension.
-        input_dim: int = REQUIRED
+        input_dim: Annotated[int, Positive] = REQUIRED
         # Total number of layers (a multiple of the unit's layer count).
-        num_layers: int = REQUIRED
+        num_layers: Annotated[int, Positive] = REQUIRED
         # The repeated unit: a layer, or a stacked_transformer block of several layers.
         layer: InstantiableConfig = TransformerLayer.default_config()
         # Backward-pass rematerialization: None saves every activation; otherwise a
@@ -138,7 +139,7 @@ class RepeatedTransformer(BaseLayer):
         remat_policy: str | None = None
         # Units per scan iteration (lax.scan's unroll): 1 keeps compile time flat in
         # depth; larger trades compile time for less loop overhead per step.
-        unroll: int = 1
+        unroll: Annotated[int, Positive] = 1
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)

@@ -11,9 +11,10 @@ built-ins are `jsonl` (`metrics.jsonl` in the run directory) and `tensorboard`
 from __future__ import annotations
 
 import pathlib
+from typing import Annotated
 
-from axcore.config import Configurable
-from axcore.observe.writers import JsonlWriter, MetricsWriter, TensorBoardWriter
+from axcore.config import Configurable, Positive
+from axcore.observe.writers import JsonlWriter, MetricsWriter, TensorBoardWriter, drop_records_after
 
 
 class MetricsWriterFactory(Configurable):
@@ -25,6 +26,11 @@ class MetricsWriterFactory(Configurable):
     def create(self, run_dir: pathlib.Path) -> MetricsWriter:
         """A writer for the run in `run_dir` (created on first use if it does not exist)."""
         raise NotImplementedError(f"{type(self).__name__} must implement create(run_dir).")
+
+    def create_resumed(self, run_dir: pathlib.Path, step: int) -> MetricsWriter:
+        """A writer for a run resumed from checkpoint `step`: records of later steps (written before an
+        interruption, and about to be redone) are dropped first. The default calls `create(run_dir)`."""
+        return self.create(run_dir)
 
 
 class JsonlWriterFactory(MetricsWriterFactory):
@@ -42,6 +48,10 @@ class JsonlWriterFactory(MetricsWriterFactory):
     def create(self, run_dir: pathlib.Path) -> MetricsWriter:
         return JsonlWriter(pathlib.Path(run_dir) / self.FILENAME, fsync=self._config.fsync)
 
+    def create_resumed(self, run_dir: pathlib.Path, step: int) -> MetricsWriter:
+        drop_records_after(pathlib.Path(run_dir) / self.FILENAME, step)
+        return self.create(run_dir)
+
 
 class TensorBoardWriterFactory(MetricsWriterFactory):
     """`TensorBoardWriter` of `<run_dir>/tensorboard`."""
@@ -50,10 +60,16 @@ class TensorBoardWriterFactory(MetricsWriterFactory):
         """Configures TensorBoardWriterFactory."""
 
         # Event files reach the disk at least this often, in seconds.
-        flush_secs: float = 10.0
+        flush_secs: Annotated[float, Positive] = 10.0
 
     def create(self, run_dir: pathlib.Path) -> MetricsWriter:
         return TensorBoardWriter(pathlib.Path(run_dir) / "tensorboard", flush_secs=self._config.flush_secs)
+
+    def create_resumed(self, run_dir: pathlib.Path, step: int) -> MetricsWriter:
+        # TensorBoard's own rule: a "session start" event at step s+1 hides the earlier events of steps > s.
+        return TensorBoardWriter(
+            pathlib.Path(run_dir) / "tensorboard", flush_secs=self._config.flush_secs, purge_step=step + 1 if step else None
+        )
 
 
 # Registered names of the built-in metrics writers.

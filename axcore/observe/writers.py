@@ -147,6 +147,36 @@ def _truncate_torn_last_line(path: pathlib.Path) -> None:
         f.truncate(keep)
 
 
+def drop_records_after(path: str | os.PathLike[str], step: int) -> int:
+    """Removes the records of steps after `step` from a metrics JSONL file; returns how many.
+
+    A run resumed from checkpoint `step` redoes the later steps, so their records
+    (logged before the interruption) would otherwise appear twice. The file is
+    rewritten to a temporary file and renamed over the original, so an interruption
+    leaves either the old file or the new one. A torn last line is dropped too.
+    """
+    path = pathlib.Path(path)
+    if not path.exists():
+        return 0
+    _truncate_torn_last_line(path)
+    kept, dropped = [], 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record_step = int(json.loads(line).get("step", 0))
+            except (ValueError, AttributeError, TypeError):
+                record_step = 0  # Not ours to judge: kept.
+            if record_step > step:
+                dropped += 1
+            else:
+                kept.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped
+
+
 def read_jsonl_metrics(path: str | os.PathLike[str]) -> list[dict]:
     """Reads a file written by `JsonlWriter` into a list of records, in file order.
 
@@ -192,14 +222,20 @@ class TensorBoardWriter:
     NaN and infinities are written as they are; TensorBoard shows them as such.
     """
 
-    def __init__(self, logdir: str | os.PathLike[str], *, flush_secs: float = 10.0):
+    def __init__(self, logdir: str | os.PathLike[str], *, flush_secs: float = 10.0, purge_step: int | None = None):
+        """`purge_step`: TensorBoard hides the events of this step and later ones already in `logdir`
+        (written before an interruption; a run resumed from step s passes s + 1)."""
         # Imported here so that importing axcore never imports tensorboardX.
         from tensorboardX import FileWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
         from tensorboardX.proto.summary_pb2 import Summary
 
         self.logdir = pathlib.Path(logdir)
         self._summary = Summary
         self._writer = FileWriter(str(self.logdir), flush_secs=flush_secs)
+        if purge_step is not None:
+            self._writer.add_event(Event(step=purge_step, file_version="brain.Event:2"))
+            self._writer.add_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
         self._closed = False
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:

@@ -1,9 +1,10 @@
 """Training: the learner (registered optimizers and schedules on optax), the train loop, evaluation and sampling."""
 
-from axcore.trainer.config import CheckpointConfig, SampleConfig, TrainerConfig
+from axcore.trainer.config import CheckpointConfig, SampleConfig, TrainerConfig, WatchdogConfig
 from axcore.trainer.learner import LearnerConfig, StateUpdateError, build_optimizer, learning_rate_schedule
 from axcore.trainer.optimizers import SGD, Adafactor, AdamW, Lion, Optimizer, scale_by_adam
 from axcore.trainer.schedules import Constant, Cosine, DecayShape, LinearDecay, Schedule, WarmupStableDecay
+from axcore.trainer.watchdog import Watchdog
 
 __all__ = [
     "SGD",
@@ -22,6 +23,8 @@ __all__ = [
     "StateUpdateError",
     "TrainerConfig",
     "WarmupStableDecay",
+    "Watchdog",
+    "WatchdogConfig",
     "build_optimizer",
     "learning_rate_schedule",
     "scale_by_adam",

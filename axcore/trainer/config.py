@@ -5,9 +5,9 @@ from __future__ import annotations
 import inspect
 import os
 import typing
-from typing import Any
+from typing import Annotated, Any
 
-from axcore.config import ConfigBase, InstantiableConfig
+from axcore.config import ConfigBase, InstantiableConfig, MaxLength, NonNegative, Positive, Seed
 from axcore.config.base import coerce
 from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
 from axcore.observe.factories import JsonlWriterFactory, MetricsWriterFactory, TensorBoardWriterFactory
@@ -28,15 +28,15 @@ class CheckpointConfig(ConfigBase):
     # The backend's own settings, passed to its factory as keyword arguments (e.g. orbax's compress: true).
     backend_settings: dict[str, Any] = {}
     # Save every N steps (and always at the end); 0 = only at the end.
-    every_n_steps: int = 100
+    every_n_steps: Annotated[int, NonNegative] = 100
     # Number of committed checkpoints kept; None keeps all.
-    keep_last_n: int | None = 3
+    keep_last_n: Annotated[int, Positive] | None = 3
     # Write in the background while training continues.
     async_save: bool = True
     # Resume from the latest committed checkpoint in the run directory, if there is one.
     resume: bool = True
     # Restore exactly this step (fail if it does not verify); None: the latest step that verifies.
-    restore_step: int | None = None
+    restore_step: Annotated[int, NonNegative] | None = None
 
 
 class SampleConfig(ConfigBase):
@@ -45,34 +45,52 @@ class SampleConfig(ConfigBase):
     # Text the sample continues.
     prompt: str = "The "
     # Number of tokens to generate; 0 disables sampling.
-    num_tokens: int = 200
+    num_tokens: Annotated[int, NonNegative] = 200
     # Softmax temperature; 0 picks the most likely token.
-    temperature: float = 0.8
+    temperature: Annotated[float, NonNegative] = 0.8
+
+
+class WatchdogConfig(ConfigBase):
+    """Hang detection (axcore.trainer.watchdog): all thread stacks logged, then the process exits non-zero.
+
+    Timed from beat to beat, where the loop beats after every step dispatch and around
+    evals and checkpoint saves; disarmed until the first step (which compiles) was
+    dispatched. Every process of a multi-process job runs its own.
+    """
+
+    # Seconds without progress (a loop iteration, eval or save) before all stacks go to <run_dir>/watchdog.log; 0: off.
+    step_timeout_s: Annotated[float, NonNegative] = 1800.0
+    # Seconds after that until the process exits with status 124 (a scheduler restarts it); 0 = only log, never exit.
+    exit_timeout_s: Annotated[float, NonNegative] = 300.0
 
 
 class TrainerConfig(ConfigBase):
     """The training loop."""
 
     # Number of optimizer steps.
-    max_steps: int = 300
+    max_steps: Annotated[int, Positive] = 300
     # Evaluate on the held-out split every N steps (and at the end); 0 disables.
-    eval_every: int = 100
+    eval_every: Annotated[int, NonNegative] = 100
     # Held-out batches per evaluation.
-    eval_batches: int = 8
+    eval_batches: Annotated[int, Positive] = 8
     # Read metrics back from the device (record, progress, non-finite check) every N steps (and at eval/checkpoint/last).
-    log_every: int = 10
+    log_every: Annotated[int, Positive] = 10
     # Seed of parameter initialization and of per-step randomness (dropout).
-    seed: int = 0
+    seed: Annotated[int, Seed] = 0
     # Gradient accumulation: each batch is split into this many microbatches (dividing input.batch_size).
-    microbatches: int = 1
+    microbatches: Annotated[int, Positive] = 1
+    # Refuse to start when the estimated memory per device exceeds the device's (axcore.trainer.memory_check).
+    check_memory: bool = True
     # Run directory; None = runs/<experiment name>-<UTC timestamp>.
-    run_dir: str | None = None
+    run_dir: Annotated[str, MaxLength(4096)] | None = None
     # Optimizer and schedule.
     learner: LearnerConfig = LearnerConfig()
     # Checkpointing.
     checkpoint: CheckpointConfig = CheckpointConfig()
     # Sample printed at the end.
     sample: SampleConfig = SampleConfig()
+    # Hang detection: stacks logged, then the process exits (axcore.trainer.watchdog).
+    watchdog: WatchdogConfig = WatchdogConfig()
     # Where fetched metrics go: registered metrics writers (jsonl, tensorboard, or a plugin's), in order.
     metrics_writers: list[InstantiableConfig] = [
         JsonlWriterFactory.default_config(),
@@ -86,10 +104,6 @@ def check_trainer_config(cfg: TrainerConfig, registries: Registries, path: str =
     Raises:
         ConfigError (or a subclass) naming the offending path and what to use instead.
     """
-    if cfg.log_every < 1:
-        raise ConfigError(f"'{path}.log_every' must be >= 1 (steps between metric fetches), got {cfg.log_every}.")
-    if cfg.microbatches < 1:
-        raise ConfigError(f"'{path}.microbatches' must be >= 1 (1 = no gradient accumulation), got {cfg.microbatches}.")
     learner = f"{path}.learner"
     check_component(cfg.learner.optimizer, Optimizer, f"{learner}.optimizer", names=registries.optimizers.names())
     check_component(cfg.learner.schedule, Schedule, f"{learner}.schedule", names=registries.schedules.names())

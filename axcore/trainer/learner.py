@@ -23,13 +23,13 @@ must be used exactly once per step at its site.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from axcore.config import ConfigBase, InstantiableConfig
+from axcore.config import ConfigBase, InstantiableConfig, NonNegative, Positive
 from axcore.errors import AxcoreError, ConfigError
 from axcore.params import ParameterSpec
 from axcore.trainer.optimizers import AdamW, Optimizer
@@ -47,11 +47,11 @@ class LearnerConfig(ConfigBase):
     # Shape of the learning rate over the run: a registered schedule (constant, cosine, linear_decay, wsd, ...).
     schedule: InstantiableConfig = Cosine.default_config().set(warmup_steps=30)
     # Peak learning rate (reached at the end of warmup).
-    learning_rate: float = 3e-3
+    learning_rate: Annotated[float, NonNegative] = 3e-3
     # Decoupled weight decay, multiplied by the learning rate and by each parameter's weight_decay_scale.
-    weight_decay: float = 0.1
+    weight_decay: Annotated[float, NonNegative] = 0.1
     # Clip gradients to this global norm; None disables clipping.
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: Annotated[float, Positive] | None = 1.0
 
 
 def _is_spec(x: Any) -> bool:

@@ -15,13 +15,13 @@ registrations against `Optimizer`).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from axcore.config import Configurable, DType
+from axcore.config import Configurable, DType, NonNegative, Positive, Probability, UnitInterval
 
 
 class Optimizer(Configurable):
@@ -101,11 +101,11 @@ class AdamW(Optimizer):
         """Configures AdamW."""
 
         # Decay of the first moment (mean of gradients).
-        b1: float = 0.9
+        b1: Annotated[float, Probability] = 0.9
         # Decay of the second moment (mean of squared gradients).
-        b2: float = 0.95
+        b2: Annotated[float, Probability] = 0.95
         # Added to the root of the second moment.
-        eps: float = 1e-8
+        eps: Annotated[float, NonNegative] = 1e-8
         # Storage dtype of both moments; None = each parameter's dtype (float32 master weights).
         moment_dtype: DType | None = None
 
@@ -121,15 +121,15 @@ class Adafactor(Optimizer):
         """Configures Adafactor."""
 
         # Decay exponent of the second-moment estimate (the decay at step t is 1 - t^-decay_rate).
-        decay_rate: float = 0.8
+        decay_rate: Annotated[float, UnitInterval] = 0.8
         # Added to the squared gradients.
-        epsilon: float = 1e-30
+        epsilon: Annotated[float, NonNegative] = 1e-30
         # Factor the second moment of a matrix only if both of its last two dimensions are this large.
-        min_dim_size_to_factor: int = 128
+        min_dim_size_to_factor: Annotated[int, NonNegative] = 128
         # Clip each update to this root-mean-square; None disables it.
-        clipping_threshold: float | None = 1.0
+        clipping_threshold: Annotated[float, Positive] | None = 1.0
         # Momentum on the clipped updates; None disables it.
-        momentum: float | None = None
+        momentum: Annotated[float, Probability] | None = None
 
     def transform(self) -> optax.GradientTransformation:
         cfg = self._config
@@ -152,7 +152,7 @@ class Lion(Optimizer):
         """Configures Lion."""
 
         # Interpolation between momentum and gradient for the update.
-        b1: float = 0.9
+        b1: Annotated[float, Probability] = 0.9
         # Decay of the momentum.
         b2: float = 0.99
         # Storage dtype of the momentum; None = each parameter's dtype.
@@ -170,7 +170,7 @@ class SGD(Optimizer):
         """Configures SGD."""
 
         # Momentum decay; 0 is plain SGD (no state).
-        momentum: float = 0.0
+        momentum: Annotated[float, Probability] = 0.0
         # Nesterov momentum instead of heavy ball.
         nesterov: bool = False
 

@@ -15,12 +15,13 @@ registrations against `Schedule`).
 
 from __future__ import annotations
 
+from typing import Annotated
 import enum
 
 import jax.numpy as jnp
 import optax
 
-from axcore.config import Configurable
+from axcore.config import Configurable, NonNegative, Positive, UnitInterval
 from axcore.errors import ConfigError
 
 
@@ -31,9 +32,9 @@ class Schedule(Configurable):
         """Configures Schedule."""
 
         # Steps of linear warmup from 0 to the peak learning rate; 0 = none.
-        warmup_steps: int = 0
+        warmup_steps: Annotated[int, NonNegative] = 0
         # Step at which the schedule ends (decay complete); None = the trainer's max_steps.
-        total_steps: int | None = None
+        total_steps: Annotated[int, Positive] | None = None
 
     def __call__(self, peak: float, total_steps: int) -> optax.Schedule:
         """The learning rate of each step (0-based): warmup, then `after_warmup`.
@@ -74,7 +75,7 @@ class Cosine(Schedule):
         """Configures Cosine."""
 
         # Final learning rate as a fraction of the peak.
-        end_fraction: float = 0.1
+        end_fraction: Annotated[float, UnitInterval] = 0.1
 
     def after_warmup(self, peak: float, num_steps: int) -> optax.Schedule:
         return optax.cosine_decay_schedule(peak, num_steps, alpha=self._config.end_fraction)
@@ -87,7 +88,7 @@ class LinearDecay(Schedule):
         """Configures LinearDecay."""
 
         # Final learning rate as a fraction of the peak.
-        end_fraction: float = 0.1
+        end_fraction: Annotated[float, UnitInterval] = 0.1
 
     def after_warmup(self, peak: float, num_steps: int) -> optax.Schedule:
         return optax.linear_schedule(peak, peak * self._config.end_fraction, num_steps)
@@ -111,9 +112,9 @@ class WarmupStableDecay(Schedule):
         """Configures WarmupStableDecay."""
 
         # Share of the schedule's steps (after warmup) spent decaying, at its end.
-        decay_fraction: float = 0.2
+        decay_fraction: Annotated[float, UnitInterval] = 0.2
         # Final learning rate as a fraction of the peak.
-        end_fraction: float = 0.0
+        end_fraction: Annotated[float, UnitInterval] = 0.0
         # Shape of the decay.
         decay_shape: DecayShape = DecayShape.LINEAR
 

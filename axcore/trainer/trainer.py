@@ -46,6 +46,8 @@ from axcore.observe import MultiWriter, ProgressBar, plot_loss_curve
 from axcore.observe.factories import JsonlWriterFactory
 from axcore.sharding import batch_sharding, check_batch_size, make_mesh, parameter_shardings, resolve_rules
 from axcore.trainer.config import make_checkpoint_backend
+from axcore.trainer.memory_check import check_compiled_memory, check_state_memory
+from axcore.trainer.run_dir import RunDirectory, RunDirectoryError
 from axcore.trainer.learner import (
     apply_state_updates,
     build_optimizer,
@@ -363,30 +365,107 @@ class Trainer:
                 f"{kept}; lower trainer.learner.learning_rate or check the data."
             )
 
+    def _abstract_batch(self) -> dict:
+        shape = (self.cfg.input.batch_size, self.cfg.input.seq_len)
+        return {
+            key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
+            for key in ("input_ids", "target_labels")
+        }
+
+    def _compile_train_step(self):
+        """The jitted train step, compiled ahead (which fills JAX's cache for its first call).
+
+        Logs the kernel each op got and refuses (MemoryEstimateError) a step whose
+        estimated per-device peak exceeds the device's memory, before anything is allocated.
+        """
+        train_step = self.compiled_train_step()
+        started = time.perf_counter()
+        with record_kernel_choices() as choices:
+            compiled = train_step.lower(self.abstract_state(), self._abstract_batch()).compile()
+        for op, kernels in describe_kernel_choices(choices).items():
+            print(f"Kernel for {op}: {kernels}", file=self.stream)
+        print(f"Compiled the train step in {time.perf_counter() - started:.1f} s", file=self.stream)
+        if self.cfg.trainer.check_memory:
+            check_compiled_memory(compiled, self.mesh)
+        return train_step
+
+    def _lock_run_dir(self) -> RunDirectory:
+        """Creates and locks the run directory (process 0 holds the lock for the whole job)."""
+        run_dir = RunDirectory(self.run_dir)
+        error = None
+        if is_primary():
+            try:
+                run_dir.acquire()
+            except RunDirectoryError as e:
+                error = e
+        if jax.process_count() > 1:  # Every process stops when process 0 could not lock.
+            ok = multihost_utils.broadcast_one_to_all(np.int32(error is None))
+            if not int(ok) and error is None:
+                error = RunDirectoryError(f"Process 0 could not lock the run directory '{self.run_dir}'; see its log.")
+        if error is not None:
+            raise error
+        return run_dir
+
     def run(self) -> TrainResult:
+        """Trains; see the module docstring.
+
+        Everything the user's input can break is checked before the run directory is
+        created: the data (files, token ids against the vocabulary as batches are read),
+        the memory estimate of the compiled step. The directory is then locked for this
+        run (a second run on it gets RunDirectoryError naming the holder). A run that
+        fails before its directory holds a committed checkpoint removes the directory
+        it created; otherwise it leaves a FAILED file with the error.
+        """
         tcfg = self.cfg.trainer
-        self._save_config()
-        backend = make_checkpoint_backend(tcfg.checkpoint, self.experiment.registries, self.run_dir / "checkpoints")
+        vocab = self.cfg.model.vocab_size if "vocab_size" in self.cfg.model.keys() else None
+        train_iter = self.cfg.input.make_iterator(Split.TRAIN, self.tokenizer, vocab_size=vocab)
+        eval_iter = self.cfg.input.make_iterator(Split.EVAL, self.tokenizer, vocab_size=vocab) if tcfg.eval_every else None
+        if tcfg.check_memory:
+            check_state_memory(self.abstract_state(), self.mesh, self.cfg.input.batch_size * self.cfg.input.seq_len)
+        train_step = self._compile_train_step()
+        run_dir = self._lock_run_dir()
+        backend = None
+        try:
+            self._save_config()
+            backend = make_checkpoint_backend(tcfg.checkpoint, self.experiment.registries, self.run_dir / "checkpoints")
+            return self._train(backend, train_step, train_iter, eval_iter)
+        except BaseException as e:
+            if is_primary():
+                # Anything in checkpoints/ (even an unfinished save) keeps the directory, marked FAILED.
+                checkpoints = self.run_dir / "checkpoints"
+                committed = checkpoints.is_dir() and any(checkpoints.iterdir())
+                print(run_dir.fail(" ".join(str(e).split()) or type(e).__name__, committed=committed), file=self.stream)
+            raise
+        finally:
+            run_dir.release()
+
+    def _train(self, backend, train_step, train_iter, eval_iter) -> TrainResult:
+        tcfg = self.cfg.trainer
         writer = MultiWriter([])
         progress = None
+        from axcore.trainer.watchdog import Watchdog  # Hang detection: armed by the first beat (step compiled).
+
+        watchdog = Watchdog.for_run(tcfg.watchdog, self.run_dir, jax.process_index(), jax.process_count())
         try:
-            for writer_cfg in tcfg.metrics_writers if is_primary() else []:
-                writer.writers.append(writer_cfg.instantiate().create(self.run_dir))
-            train_iter = self.cfg.input.make_iterator(Split.TRAIN, self.tokenizer)
-            eval_iter = self.cfg.input.make_iterator(Split.EVAL, self.tokenizer) if tcfg.eval_every else None
             state, start = None, 0
             ckpt = tcfg.checkpoint
             if ckpt.restore_step is not None or (ckpt.resume and backend.latest_step() is not None):
                 from axcore.checkpoint.base import restore_verified  # Falls back to the latest step that verifies.
 
                 report = lambda line: print(line, file=self.stream)  # noqa: E731
+                started = time.perf_counter()
                 state, metadata, _ = restore_verified(backend, self.abstract_state(), ckpt.restore_step, report=report)
                 train_iter.set_state(metadata["input"])
                 start = int(state["step"])
-                print(f"Resumed from step {start} in {self.run_dir}", file=self.stream)
+                print(
+                    f"Resumed from step {start} in {self.run_dir} (restored in {time.perf_counter() - started:.2f} s)",
+                    file=self.stream,
+                )
+            # Metrics of steps after the restored one (logged before a crash) are dropped: they are redone.
+            for writer_cfg in tcfg.metrics_writers if is_primary() else []:
+                writer.writers.append(writer_cfg.instantiate().create_resumed(self.run_dir, start))
             if state is None:
                 state = self.init_state()
-            train_step = self.compiled_train_step()
             eval_step = jax.jit(self._eval_step, in_shardings=(self.state_shardings["params"], self.batch_sharding))
             progress = ProgressBar(tcfg.max_steps, stream=self.stream, log_every=tcfg.log_every, start_step=start)
             tokens_per_step = self.cfg.input.batch_size * self.cfg.input.seq_len
@@ -396,13 +475,8 @@ class Trainer:
             interval_start, fetched_step = time.perf_counter(), start
             for step in range(start + 1, tcfg.max_steps + 1):
                 batch = place_batch(next(train_iter), self.batch_sharding)
-                if step == start + 1:  # The first call traces the step: log the kernel each op got.
-                    with record_kernel_choices() as choices:
-                        state, metrics = train_step(state, batch)
-                    for op, kernels in describe_kernel_choices(choices).items():
-                        print(f"Kernel for {op}: {kernels}", file=self.stream)
-                else:
-                    state, metrics = train_step(state, batch)
+                state, metrics = train_step(state, batch)
+                watchdog.beat(step)
                 unchecked.append((step, (metrics["loss"], metrics["grad_norm"])))
                 last = step == tcfg.max_steps
                 evaluate = bool(tcfg.eval_every) and (step % tcfg.eval_every == 0 or last)
@@ -419,15 +493,20 @@ class Trainer:
                 record["train/step_time"] = step_time
                 train_loss = record["train/loss"]
                 if evaluate:
+                    watchdog.beat(step, "eval")
                     eval_loss = self.evaluate(eval_step, state["params"], eval_iter)
                     record["eval/loss"] = eval_loss
                 writer.write(step, record)
                 progress.update(step, train_loss, tokens_per_step / step_time, step_time)
                 if save:
+                    watchdog.beat(step, "checkpoint save")
                     backend.save(step, state, {"input": train_iter.state(), "step": step})
                 interval_start = time.perf_counter()  # Eval and saving do not count as step time.
+                watchdog.beat(step)
+            watchdog.beat(activity="waiting for checkpoint writes")
             backend.wait()
         finally:
+            watchdog.stop()  # Nothing fires after training.
             if progress is not None:
                 progress.close()
             writer.close()

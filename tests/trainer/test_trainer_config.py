@@ -76,7 +76,7 @@ def test_bad_settings_are_caught_when_the_experiment_loads():
         ("trainer.metrics_writers=[{type: cosine}]",
          r"'trainer\.metrics_writers\[0\]' builds 'Cosine'.*\(jsonl, tensorboard\)"),
         ("tokenizer.type=jsonl", r"'tokenizer' builds 'JsonlWriterFactory', which is not a tokenizer.*\(bytes\)"),
-        ("trainer.log_every=0", r"'trainer\.log_every' must be >= 1"),
+        ("trainer.log_every=0", r"'trainer\.log_every' must be > 0"),
     ],
 )
 def test_components_of_the_wrong_kind_are_refused_at_load(override, pattern):

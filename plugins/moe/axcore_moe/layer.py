@@ -34,12 +34,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Annotated, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED, InstantiableConfig
+from axcore.config import REQUIRED, InstantiableConfig, NonNegative, Positive
 from axcore.errors import ConfigError
 from axcore.kernels import current_environment, op_environment
 from axcore.layers import BaseLayer, FeedForward, with_fields
@@ -77,23 +77,23 @@ class MixtureOfExperts(BaseLayer):
         """Configures MixtureOfExperts."""
 
         # Model dimension (input and output).
-        input_dim: int = REQUIRED
+        input_dim: Annotated[int, Positive] = REQUIRED
         # Hidden dimension of each expert (set on the expert template's hidden_dim).
-        hidden_dim: int = REQUIRED
+        hidden_dim: Annotated[int, Positive] = REQUIRED
         # Number of experts.
-        num_experts: int = 8
+        num_experts: Annotated[int, Positive] = 8
         # Number of experts each token is routed to.
-        top_k: int = 2
+        top_k: Annotated[int, Positive] = 2
         # Template of one expert: a layer `[..., input_dim] -> [..., input_dim]` with
         # input_dim and hidden_dim fields (e.g. feed_forward, or swiglu's gated_feed_forward); this layer
         # sets both, and stacks its parameters on a leading "expert" axis.
         expert: InstantiableConfig = FeedForward.default_config()
         # Slots per expert per sequence: ceil(capacity_factor * seq * top_k / num_experts); None never drops.
-        capacity_factor: float | None = 1.25
+        capacity_factor: Annotated[float, Positive] | None = 1.25
         # Weight of the load-balancing loss in `aux_loss`.
-        load_balance_loss_weight: float = 0.01
+        load_balance_loss_weight: Annotated[float, NonNegative] = 0.01
         # Weight of the router z-loss in `aux_loss`.
-        router_z_loss_weight: float = 1e-3
+        router_z_loss_weight: Annotated[float, NonNegative] = 1e-3
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)

@@ -14,8 +14,9 @@ carried over, so e.g. swiglu's gated feed-forward gives SwiGLU experts):
 
 from __future__ import annotations
 
+from typing import Annotated
+from axcore.config import NonNegative, Positive, get_path, is_config_of, replace
 from axcore import REQUIRED, ConfigBase, hookimpl
-from axcore.config import get_path, is_config_of, replace
 from axcore.errors import ConfigError
 from axcore.layers import RepeatedTransformer, StackedTransformer
 from axcore_moe.layer import MixtureOfExperts
@@ -25,17 +26,17 @@ class MoESettings(ConfigBase):
     """Settings of the moe plugin (the experiment's `moe:` section)."""
 
     # Replace the feed-forward of every `every`-th layer (layers every-1, 2*every-1, ...).
-    every: int = 2
+    every: Annotated[int, Positive] = 2
     # Number of experts per MoE layer.
-    num_experts: int = 8
+    num_experts: Annotated[int, Positive] = 8
     # Number of experts each token is routed to.
-    top_k: int = 2
+    top_k: Annotated[int, Positive] = 2
     # Expert slots per sequence: ceil(capacity_factor * seq * top_k / num_experts); null never drops.
-    capacity_factor: float | None = 1.25
+    capacity_factor: Annotated[float, Positive] | None = 1.25
     # Weight of the load-balancing loss.
-    load_balance_loss_weight: float = 0.01
+    load_balance_loss_weight: Annotated[float, NonNegative] = 0.01
     # Weight of the router z-loss.
-    router_z_loss_weight: float = 1e-3
+    router_z_loss_weight: Annotated[float, NonNegative] = 1e-3
 
 
 @hookimpl

@@ -36,6 +36,7 @@ float32; q and k come back in their input dtype.
 
 from __future__ import annotations
 
+from typing import Annotated
 import enum
 import math
 
@@ -43,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axcore.config import ConfigBase, InstantiableConfig
+from axcore.config import ConfigBase, InstantiableConfig, Positive, Range
 from axcore.errors import ConfigError
 from axcore.layers import PositionEmbedding
 
@@ -61,23 +62,23 @@ class RotarySettings(ConfigBase):
     """The user-facing fields of RotaryEmbedding; also the plugin's `rope:` section."""
 
     # Base of the frequencies f_i = theta^(-2i/r) (10000 in RoFormer/Llama 2, 500000 in Llama 3).
-    theta: float = 10000.0
+    theta: Annotated[float, Range(gt=1)] = 10000.0
     # Fraction of head_dim that is rotated (the leading features); must give an even count.
-    rotary_fraction: float = 1.0
+    rotary_fraction: Annotated[float, Range(gt=0, le=1)] = 1.0
     # Frequency scaling for context extension: none, llama3 or yarn.
     scaling: Scaling = Scaling.NONE
     # llama3/yarn: ratio of the extended to the original context length.
-    scaling_factor: float = 8.0
+    scaling_factor: Annotated[float, Positive] = 8.0
     # llama3/yarn: context length the model was originally trained with.
-    original_max_len: int = 8192
+    original_max_len: Annotated[int, Positive] = 8192
     # llama3: wavelengths above original_max_len / low_freq_factor are divided by scaling_factor.
-    low_freq_factor: float = 1.0
+    low_freq_factor: Annotated[float, Positive] = 1.0
     # llama3: wavelengths below original_max_len / high_freq_factor are kept.
-    high_freq_factor: float = 4.0
+    high_freq_factor: Annotated[float, Positive] = 4.0
     # yarn: pairs turning more than beta_fast times over original_max_len are kept.
-    beta_fast: float = 32.0
+    beta_fast: Annotated[float, Positive] = 32.0
     # yarn: pairs turning fewer than beta_slow times over original_max_len are divided by scaling_factor.
-    beta_slow: float = 1.0
+    beta_slow: Annotated[float, Positive] = 1.0
 
 
 def _require(ok: bool, where: str, field: str, message: str, value) -> None:

@@ -18,10 +18,11 @@ hidden 1024, 2/3 -> 704.) Left None, `hidden_dim` is kept as configured.
 
 from __future__ import annotations
 
+from typing import Annotated
 import math
 
+from axcore.config import Positive, is_config_of, replace
 from axcore import REQUIRED, ConfigBase, hookimpl
-from axcore.config import is_config_of, replace
 from axcore.errors import ConfigError
 from axcore.layers import Activation, FeedForward
 from axcore_swiglu.layer import GatedFeedForward
@@ -33,9 +34,9 @@ class SwiGLUSettings(ConfigBase):
     # Nonlinearity of the gate projection: silu gives SwiGLU (gelu gives GEGLU).
     activation: Activation = Activation.SILU
     # Scale applied to every FFN's hidden_dim (2/3 keeps the dense parameter count); None = keep.
-    hidden_dim_multiplier: float | None = None
+    hidden_dim_multiplier: Annotated[float, Positive] | None = None
     # The scaled hidden_dim is rounded up to a multiple of this.
-    hidden_dim_multiple_of: int = 64
+    hidden_dim_multiple_of: Annotated[int, Positive] = 64
 
 
 def gated_hidden_dim(hidden_dim: int, multiplier: float, multiple_of: int) -> int:

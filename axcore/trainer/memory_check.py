@@ -1,0 +1,117 @@
+"""Refusing a run that cannot fit, before anything is allocated.
+
+Two estimates per device, both against the device's memory (`bytes_limit` from
+`Device.memory_stats()` on GPUs and TPUs; on CPU devices, the host's physical
+memory shared by the local CPU devices):
+
+1. `check_state_memory`, before compiling: the train state's bytes per device
+   (each array's shard shape under its sharding), and the host bytes of one batch.
+   It catches a model that could never fit (e.g. `model.dim=10**9`) without
+   asking XLA to compile it.
+2. `check_compiled_memory`, after compiling the train step ahead of time: XLA's
+   `memory_analysis()` peak = arguments + outputs + temporaries - aliased (the same
+   estimate `axcore compile` reports).
+
+Set `trainer.check_memory: false` to skip both.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from axcore.errors import AxcoreError
+
+
+class MemoryEstimateError(AxcoreError):
+    """The estimated memory of a run exceeds what its devices (or the host) have."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this host, or None if the OS does not tell."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def device_memory_bytes(device: Any) -> int | None:
+    """Memory one device may use: its allocator's `bytes_limit`, else a CPU device's share of the host."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # Backends without memory stats raise or return None.
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if device.platform == "cpu":
+        host = host_memory_bytes()
+        local_cpus = sum(1 for d in jax.local_devices() if d.platform == "cpu")
+        return host // max(local_cpus, 1) if host else None
+    return None
+
+
+def _per_device_bytes(abstract: Any) -> int:
+    """Bytes per device of a tree of ShapeDtypeStructs carrying shardings (largest shard)."""
+    total = 0
+    for leaf in jax.tree.leaves(abstract):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += int(np.prod(shape, dtype=np.float64)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def check_state_memory(abstract_state: Any, mesh: jax.sharding.Mesh, batch_tokens: int) -> None:
+    """Raises MemoryEstimateError if the train state alone, or one host batch, cannot fit.
+
+    Args:
+        abstract_state: the train state as ShapeDtypeStructs with their shardings.
+        mesh: the run's mesh (its first device's memory is the limit).
+        batch_tokens: batch_size * seq_len (the host holds inputs and labels, int32).
+    """
+    state = _per_device_bytes(abstract_state)
+    limit = device_memory_bytes(mesh.devices.flat[0])
+    if limit is not None and state > limit:
+        raise MemoryEstimateError(
+            f"The train state (parameters and optimizer state) needs {_gib(state)} per device, more than the "
+            f"{_gib(limit)} a device has; shrink the model (model.dim, model.num_layers, vocab_size) or shard it "
+            f"over more devices (mesh.mesh_shape, mesh.axis_rules)."
+        )
+    host = host_memory_bytes()
+    batch = 2 * 4 * batch_tokens  # input_ids and target_labels, int32.
+    if host is not None and batch > host // 2:
+        raise MemoryEstimateError(
+            f"One batch needs {_gib(batch)} of host memory (input.batch_size x input.seq_len x 8 bytes), more "
+            f"than half of this host's {_gib(host)}; lower input.batch_size or input.seq_len."
+        )
+
+
+def check_compiled_memory(compiled: Any, mesh: jax.sharding.Mesh) -> int | None:
+    """Raises MemoryEstimateError if the compiled step's estimated peak exceeds a device's memory.
+
+    Returns the estimated peak bytes per device (None if the backend gives no memory analysis).
+    """
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # Not every backend implements it.
+        return None
+    if stats is None:
+        return None
+    peak = sum(
+        int(getattr(stats, f"{field}_size_in_bytes", 0) or 0) * sign
+        for field, sign in (("argument", 1), ("output", 1), ("temp", 1), ("alias", -1))
+    )
+    limit = device_memory_bytes(mesh.devices.flat[0])
+    if limit is not None and peak > limit:
+        raise MemoryEstimateError(
+            f"The compiled train step needs an estimated {_gib(peak)} per device (arguments + outputs + "
+            f"temporaries - aliased), more than the {_gib(limit)} a device has; lower input.batch_size, use "
+            f"trainer.microbatches or a remat_policy, or shard over more devices. 'axcore compile' shows the "
+            f"estimate; trainer.check_memory=false skips this check."
+        )
+    return peak
