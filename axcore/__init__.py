@@ -37,6 +37,7 @@ _EXPORTS = {
         "UnknownFieldError",
         "UnknownPluginError",
     ],
+    "axcore.hookspecs": ["PLUGIN_API_VERSION"],
     "axcore.markers": ["hookimpl", "hookspec"],
     "axcore.module": ["InvocationContext", "Module", "OutputCollection", "functional"],
     "axcore.params": ["ParameterSpec"],
@@ -77,6 +78,7 @@ if TYPE_CHECKING:
         UnknownPluginError,
     )
     from axcore.experiment import Experiment, ExperimentConfig, load_experiment
+    from axcore.hookspecs import PLUGIN_API_VERSION
     from axcore.markers import hookimpl, hookspec
     from axcore.module import InvocationContext, Module, OutputCollection, functional
     from axcore.params import ParameterSpec

@@ -4,10 +4,13 @@
     axcore config EXPERIMENT [--set ...]               resolved config, one `path: value` per line
                               [--shardings]            instead: each array's sharding on the mesh
                               [--kernels]              instead: each op call's kernel and the declines
-    axcore plugins [EXPERIMENT]                        installed plugins and what they hook
+    axcore plugins [EXPERIMENT] [--all] [--json] [--hook NAME]
+                                                       installed plugins, their hooks and components
     axcore compile EXPERIMENT [--set ...] [--device-memory BYTES]
                                                        ahead-of-time compile report, no training
     axcore loc                                         integration cost of each installed plugin
+    axcore new-plugin NAME [--kind feature|hardware|kernel|checkpoint] [--directory DIR]
+                                                       write a plugin package with hooks and tests
     axcore NAME [ARGS ...]                             a command added by a plugin
 
 Only argparse (and the names of the built-in commands) is imported at module level,
@@ -99,8 +102,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="print instead which kernel each op call of each layer uses for the experiment's instance type "
         "(e.g. --mesh-selector gpu-h100-8) and why the kernels tried before it declined",
     )
-    plugins = sub.add_parser("plugins", help="list installed plugins")
+    plugins = sub.add_parser(
+        "plugins",
+        help="list installed plugins",
+        description="List installed plugins: distribution, version, whether the experiment enables them, the "
+        "hooks they implement and the components they register.",
+        epilog="Environment: AXCORE_LOAD_PLUGINS=rope,moe lets only the listed installed plugins load (empty: "
+        "none; others are listed as excluded and may not appear in `plugins:`); AXCORE_DISABLE_PLUGIN_AUTOLOAD=1 "
+        "loads only plugins named explicitly (an experiment's `plugins:`), the way out when a broken plugin "
+        "crashes axcore.",
+    )
     plugins.add_argument("experiment", nargs="?", help="mark the plugins this experiment enables")
+    plugins.add_argument("--all", action="store_true", help="list the built-in plugins too")
+    plugins.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: plugin_api_version, experiment, hook, load_plugins, autoload_disabled, "
+        "plugins (each: name, distribution, version, source, enabled, status, detail, plugin_api, hooks, "
+        "components [{family, kind, name, override}])",
+    )
+    plugins.add_argument(
+        "--hook",
+        metavar="NAME",
+        help="list only the plugins, built-ins included, that implement hook NAME (e.g. axcore_register_layers)",
+    )
     compile_ = sub.add_parser(
         "compile",
         help="compile the train step ahead of time on abstract inputs (nothing allocated) and report "
@@ -113,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="fail (exit 2) if the estimated per-device peak exceeds this, e.g. 80GB, 80GiB, 96e9",
     )
     sub.add_parser("loc", help="integration lines of code of each installed plugin (Markdown table)")
+    new_plugin = sub.add_parser("new-plugin", help="write a new plugin package (entry point, hooks, README, tests)")
+    new_plugin.add_argument("name", help="plugin (entry-point) name, a lowercase identifier, e.g. my_feature")
+    new_plugin.add_argument("--kind", choices=("feature", "hardware", "kernel", "checkpoint"), default="feature")
+    new_plugin.add_argument("--directory", help="where to write it (default: ./axcore-NAME); must not exist")
     return parser
 
 
@@ -158,23 +187,44 @@ def _cmd_config(args) -> int:
 
 
 def _cmd_plugins(args) -> int:
-    from axcore.plugins import describe_plugins
+    import json
+
+    from axcore.plugin_listing import describe_plugins, plugins_json
 
     enabled = []
     if args.experiment:
         from axcore.experiment import read_experiment_file
 
-        enabled = read_experiment_file(args.experiment)[0].get("plugins") or []
-    rows = describe_plugins(enabled)
+        enabled = read_experiment_file(args.experiment, objects=args.objects)[0].get("plugins") or []
+    everything = describe_plugins(enabled, objects=args.objects, hook=args.hook)
+    shown = [d for d in everything if args.all or args.hook or d.source != "builtin"]
+    if args.json:
+        print(json.dumps(plugins_json(shown, experiment=args.experiment, hook=args.hook), indent=2))
+        return 0
+    rows = [
+        (d.name, d.distribution, d.version, "built-in" if d.source == "builtin" else "yes" if d.enabled else "no",
+         ", ".join(d.hooks) if d.status == "ok" else f"({d.status}: {d.detail})")
+        for d in shown
+    ]
     header = ("name", "distribution", "version", "enabled", "hooks")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
-    for row in [header, *rows]:
-        cells = [str(c).ljust(w) for c, w in zip(row[:4], widths)]
-        print("  ".join([*cells, str(row[4])]))
-    commands = _plugin_commands(None).found
+    for row, description in zip([header, *rows], [None, *shown]):
+        print("  ".join([*(str(c).ljust(w) for c, w in zip(row[:4], widths)), row[4]]))
+        kinds: dict[str, list[str]] = {}
+        for component in description.components if description else ():
+            kinds.setdefault(component.kind, []).append(component.name)
+        if kinds:
+            print("    registers: " + "; ".join(f"{kind} {', '.join(names)}" for kind, names in kinds.items()))
+    if not shown:
+        print(f"No plugin implements {args.hook}." if args.hook else "No plugins installed; --all lists the built-ins.")
+    if args.hook:
+        return 0
+    commands = sorted(
+        (c.name, d.name, c.value.help) for d in everything for c in d.components if c.family == "commands"
+    )
     print("\nCommands added by plugins:" if commands else "\nNo plugin adds commands.")
-    for name, entry in sorted(commands.items()):
-        print(f"  axcore {name}  (plugin {entry.provenance.plugin}) {entry.value.help}".rstrip())
+    for name, plugin, help_ in commands:
+        print(f"  axcore {name}  (plugin {plugin}) {help_}".rstrip())
     return 0
 
 
@@ -200,12 +250,21 @@ def _cmd_loc(args) -> int:
     return 0
 
 
+def _cmd_new_plugin(args) -> int:
+    from axcore.scaffold import new_plugin
+
+    for path in new_plugin(args.name, args.kind, args.directory):
+        print(path)
+    return 0
+
+
 COMMANDS = {
     "train": _cmd_train,
     "config": _cmd_config,
     "plugins": _cmd_plugins,
     "compile": _cmd_compile,
     "loc": _cmd_loc,
+    "new-plugin": _cmd_new_plugin,
 }
 
 

@@ -11,6 +11,31 @@ Resolution (DESIGN.md, "How an experiment becomes a running program"): read YAML
 with a safe loader and apply `--set` overrides; build the plugin manager; build the
 typed tree; run the enabled plugins' config transforms in `plugins:` order; then
 the first matching mesh rule fills the mesh and applies its config modifiers.
+
+Saved runs load as they ran. `Experiment.save(run_dir)` (what the trainer calls)
+writes `config.txt`, the flat dump (`Experiment.flat()`), and `config.yaml`, the
+resolved experiment (`Experiment.to_dict()`) under a first top-level key
+`resolved_by` that records what already happened to it:
+
+    resolved_by:
+      axcore: 0.1.0                          # the version that resolved it
+      plugins: [rope, swiglu]                # plugins whose config transforms ran, in order
+      mesh_rule: default (plugin axcore.mesh)  # the mesh rule applied ...
+      mesh_modifiers: []                     # ... and the config modifiers it ran
+    plugins: [rope, swiglu]
+    rope: {theta: 10000.0}
+    model: ...
+
+Loading a file with `resolved_by` enables its plugins as usual (their components,
+kernels, settings and hooks) but runs neither their config transforms nor the mesh
+rule's modifiers, nor resolves `xla_flags` again: the config is taken as it is, so
+a transform that is not idempotent (one that doubles a value, say) is never applied
+twice, and `axcore config RUN_DIR/config.yaml` prints the run's `config.txt`.
+`--set` overrides still apply (e.g. `trainer.max_steps` to train on). Its `plugins:`
+must still name the plugins of `resolved_by.plugins`, in that order: a transform
+that ran cannot be undone, nor a new one run on a resolved config (change the
+original experiment instead). A file without `resolved_by` (an experiment written
+by hand, or a run directory of an older axcore) is resolved in full.
 """
 
 from __future__ import annotations
@@ -18,12 +43,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pathlib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import jax
 import jax.numpy as jnp
+import yaml
+
+from axcore import __version__
 
 from axcore.config import REQUIRED, ConfigBase, ConfigValidationError, InstantiableConfig, Matches, dump_flat, from_dict, parse_override
 from axcore.config.safe_yaml import read_file as read_yaml_file
@@ -61,6 +90,9 @@ from axcore.validation import validate_experiment
 from axcore.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
 
 logger = logging.getLogger(__name__)
+
+# Top-level key of a saved resolved experiment (`Experiment.save`): what already ran (module docstring).
+RESOLVED_KEY = "resolved_by"
 
 
 class MeshConfig(ConfigBase):
@@ -211,6 +243,27 @@ class Experiment:
             if settings is not None:
                 data[name] = to_dict(settings, self.registries)
         return data
+
+    def resolved_dict(self) -> dict[str, Any]:
+        """`to_dict()` under a first key `resolved_by` (module docstring): loads back without
+        running the plugins' transforms or the mesh rule's modifiers again."""
+        plugins = [PluginRequest.parse(p).name for p in self.config.plugins]
+        marker = {
+            "axcore": __version__,
+            "plugins": plugins,
+            "mesh_rule": self.mesh_rule,
+            "mesh_modifiers": list(self.mesh_modifiers),
+        }
+        return {RESOLVED_KEY: marker, **self.to_dict()}
+
+    def save(self, run_dir: str | os.PathLike) -> None:
+        """Writes `config.yaml` (`resolved_dict()`, which `load_experiment` reads back to exactly this
+        experiment) and `config.txt` (`flat()`) into `run_dir`, creating it if needed."""
+        run_dir = pathlib.Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        text = yaml.safe_dump(self.resolved_dict(), sort_keys=False)
+        (run_dir / "config.yaml").write_text(text, "utf-8")
+        (run_dir / "config.txt").write_text(self.flat(), "utf-8")
 
 
 @dataclasses.dataclass
@@ -375,6 +428,7 @@ def load_experiment(
         AxcoreError subclasses naming the offending file, key, path or plugin.
     """
     raw, label = read_experiment_file(source, objects=objects)
+    resolved = _resolved_marker(raw.pop(RESOLVED_KEY, None), label)
     parsed = [parse_override(o) for o in overrides]
     for path, value in parsed:
         if path == "plugins":
@@ -382,6 +436,8 @@ def load_experiment(
     plugins = raw.get("plugins") or []
     if not isinstance(plugins, list):
         raise ConfigError(f"{label}: 'plugins' must be a list of plugin names, got {plugins!r}.")
+    if resolved is not None:
+        _check_resolved_plugins(resolved, plugins, label)
     selected = _selected_instance_type(raw, parsed)
     # Asked before anything starts JAX's backend, so that XLA flags can still take effect.
     probed = probe_instance_type() if (apply_xla_flags or not selected) else None
@@ -419,16 +475,23 @@ def load_experiment(
     if override_errors:
         raise ConfigValidationError([" ".join(str(e).split()) for e in override_errors])
     settings = manager.settings(settings_raw)
-    config = manager.transform_config(config, settings)
+    if resolved is None:
+        config = manager.transform_config(config, settings)
+    elif config.mesh.instance_type is None:
+        raise ConfigError(f"{label}: a resolved config (it has '{RESOLVED_KEY}') must keep its mesh.instance_type.")
     if not isinstance(config, ExperimentConfig):
         raise ConfigError("A plugin's config transform replaced the experiment root; transform its parts only.")
     if known_type is not None:
-        config = resolve_experiment_xla_flags(config, manager, known_type)
+        if resolved is None:
+            config = resolve_experiment_xla_flags(config, manager, known_type)
         flags_variable = manager.flags_environment(known_type)
         if apply_xla_flags:
             _apply_flags(config.xla_flags, known_type, probed, flags_variable)
         initialize_distributed(distributed)
-    config, mesh_rule, mesh_modifiers = layout_mesh(config, manager)
+    if resolved is None:
+        config, mesh_rule, mesh_modifiers = layout_mesh(config, manager)
+    else:  # Laid out when it ran: the rule's modifiers are not applied twice.
+        mesh_rule, mesh_modifiers = resolved["mesh_rule"], list(resolved["mesh_modifiers"])
     if known_type is None:  # Known only now that the backend has started: listed, too late to apply.
         config = resolve_experiment_xla_flags(config, manager, config.mesh.instance_type)
         flags_variable = manager.flags_environment(config.mesh.instance_type)
@@ -436,6 +499,37 @@ def load_experiment(
             _apply_flags(config.xla_flags, config.mesh.instance_type, None, flags_variable)
     validate_experiment(config, settings, manager.registries, lambda: check_experiment_config(config, manager))
     return Experiment(config, manager, settings, label, mesh_rule, mesh_modifiers, flags_variable)
+
+
+def _resolved_marker(marker: Any, label: str) -> dict[str, Any] | None:
+    """The checked `resolved_by` mapping of a saved resolved experiment, or None (none there)."""
+    if marker is None:
+        return None
+    expected = "a mapping with keys axcore, plugins, mesh_rule and mesh_modifiers (as Experiment.save writes it)"
+    if not isinstance(marker, dict):
+        raise ConfigError(f"{label}: '{RESOLVED_KEY}' must be {expected}, got {marker!r}.")
+    marker = {"axcore": None, "plugins": [], "mesh_rule": "", "mesh_modifiers": [], **marker}
+    unknown = sorted(set(marker) - {"axcore", "plugins", "mesh_rule", "mesh_modifiers"})
+    lists_of_str = all(
+        isinstance(marker[k], list) and all(isinstance(v, str) for v in marker[k]) for k in ("plugins", "mesh_modifiers")
+    )
+    if unknown or not lists_of_str or not isinstance(marker["mesh_rule"], str):
+        raise ConfigError(f"{label}: '{RESOLVED_KEY}' must be {expected}, got {marker!r}.")
+    if marker["axcore"] != __version__:
+        logger.warning("%s was resolved by axcore %s; this is axcore %s.", label, marker["axcore"], __version__)
+    return marker
+
+
+def _check_resolved_plugins(resolved: Mapping[str, Any], plugins: list, label: str) -> None:
+    """Raises ConfigError unless `plugins` names the plugins whose transforms already ran, in order."""
+    names = [PluginRequest.parse(p, f"plugins[{i}]").name for i, p in enumerate(plugins)]
+    ran = list(resolved["plugins"])
+    if names != ran:
+        raise ConfigError(
+            f"{label} is a resolved config (its '{RESOLVED_KEY}' lists the plugins whose transforms ran: "
+            f"{ran or 'none'}), but 'plugins' is {names}; a resolved config keeps its plugins. To change them, "
+            f"load the original experiment, or delete '{RESOLVED_KEY}' to resolve this file again in full."
+        )
 
 
 def resolve_experiment_xla_flags(

@@ -26,6 +26,21 @@ Phases:
    top-level section in the experiment file.
 3. Config transform (`axcore_transform_config`): a plugin listed in `plugins:`
    edits the experiment's config tree.
+
+Evolution policy (the plugin API, version `PLUGIN_API_VERSION`, MAJOR.MINOR):
+- Hookspecs only gain arguments, never lose or rename one, and an argument keeps
+  its meaning. A plugin built against an older spec declares fewer arguments and
+  keeps working: pluggy passes each implementation only the arguments it names.
+  Adding a hook or an argument bumps MINOR.
+- A hook or an argument to be retired is first deprecated: its spec gains
+  `warn_on_impl=DeprecationWarning(...)` (or `warn_on_impl_args={"arg": ...}`), so
+  pluggy warns, naming the plugin's function, when a plugin implementing it is
+  registered. It is removed no earlier than the next MAJOR.
+- A plugin may require an API version with a module (or class) attribute holding
+  a version specifier, e.g. `AXCORE_PLUGIN_API = ">=1.0,<2"`; registering it
+  against an axcore whose `PLUGIN_API_VERSION` does not match fails with a one-line
+  PluginVersionError naming the plugin. `tests/test_hookspec_policy.py` checks that
+  every spec of API 1.0 still exists with its arguments.
 """
 
 from __future__ import annotations
@@ -58,7 +73,11 @@ if TYPE_CHECKING:
     from axcore.kernels.registry import Kernel, Op
     from axcore.registry import Registries
 
-__all__ = ["PROJECT_NAME", "hookimpl", "hookspec"]
+__all__ = ["PLUGIN_API_VERSION", "PROJECT_NAME", "hookimpl", "hookspec"]
+
+# Version of the plugin API these specs define (see "Evolution policy" above); a plugin
+# requires one with `AXCORE_PLUGIN_API = ">=1.0"`.
+PLUGIN_API_VERSION = "1.0"
 
 KERNELS = Family("kernels", "kernel", registry_class=KernelRegistry)
 

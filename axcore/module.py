@@ -1,12 +1,13 @@
 """Modules built from configs, invocation contexts and `functional()`.
 
 A `Module` is a tree node built from its config; children are added in `__init__`
-with `self._add_child(name, cfg)`. Modules hold no arrays: parameters, the PRNG key,
-the training flag and an output collection live in an `InvocationContext` that
-`functional()` opens for the root. Calling a child's public method from inside its
-parent's method enters the child's context: its slice of the parameters, a PRNG key
-folded from the child's *name* (so adding a call never changes another child's
-randomness), the same training flag, and its own branch of the output collection.
+with `self.add_child(name, cfg)` (public; `_add_child` is an alias kept for old
+code). Modules hold no arrays: parameters, the PRNG key, the training flag and an
+output collection live in an `InvocationContext` that `functional()` opens for the
+root. Calling a child's public method from inside its parent's method enters the
+child's context: its slice of the parameters, a PRNG key folded from the child's
+*name* (so adding a call never changes another child's randomness), the same
+training flag, and its own branch of the output collection.
 
 Example:
 
@@ -276,13 +277,36 @@ class Module(Configurable):
             )
         return self._registries
 
-    def _add_child(self, name: str, cfg: ClassConfig, **kwargs) -> Module:
-        """Instantiates `cfg` as child `name` (accessible as `self.<name>`)."""
+    @no_context
+    def add_child(self, name: str, cfg: ClassConfig, **kwargs) -> Module:
+        """Instantiates `cfg` as child `name` and returns it; call it in `__init__`.
+
+        The child is then `self.<name>` and `self.children[name]`; its parameters nest
+        under `name` in this module's parameter tree, and its PRNG key is folded from
+        `name`, so adding a child changes no other child's parameters or randomness.
+        A layer subclass (e.g. a feature plugin's) uses this to add a layer of its own:
+
+            def __init__(self, cfg, **kwargs):
+                super().__init__(cfg, **kwargs)
+                self.add_child("gate", Linear.default_config().set(input_dim=4, output_dim=4))
+
+        Args:
+            name: the child's name, unique among this module's children.
+            cfg: an instantiable config of the child.
+            kwargs: extra arguments of the child's constructor.
+
+        Raises:
+            ValueError: this module already has a child named `name`.
+        """
         if name in self._children:
             raise ValueError(f"{self.path} already has a child named {name!r}.")
         child = cfg.instantiate(name=name, parent=self, **kwargs)
         self._children[name] = child
         return child
+
+    def _add_child(self, name: str, cfg: ClassConfig, **kwargs) -> Module:
+        """Alias of `add_child` (the name used before it was public)."""
+        return self.add_child(name, cfg, **kwargs)
 
     def __call__(self, *args, **kwargs) -> Any:
         """Same as `forward`."""

@@ -5,7 +5,13 @@ one): built-in plugins first, through the same hooks as third-party ones; then e
 requested plugin, loaded from the `axcore` entry-point group *by name* (no other
 entry point is imported); then, if a platform is given, the hardware plugin named
 after it. Set AXCORE_DISABLE_PLUGIN_AUTOLOAD=1 to load only plugins named
-explicitly (the escape hatch when an installed plugin is broken).
+explicitly (the escape hatch when an installed plugin is broken), and
+AXCORE_LOAD_PLUGINS=rope,moe to let only the listed installed plugins load at all
+(an empty value: none); plugins given as objects by code are not affected.
+
+A plugin may require a version of the plugin API (`hookspecs.PLUGIN_API_VERSION`)
+with a module or class attribute `AXCORE_PLUGIN_API = ">=1.0"` (a version specifier),
+checked when it is registered. `axcore.plugin_listing.describe_plugins` is what `axcore plugins` shows.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Any
 
 import pluggy
 from packaging.requirements import InvalidRequirement, Requirement
-from packaging.specifiers import SpecifierSet
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 
 from axcore import hookspecs
@@ -39,7 +45,8 @@ from axcore.errors import (
     UnknownPluginError,
     did_you_mean,
 )
-from axcore.registry import FamilyHook, Provenance, Registries, family_hook
+from axcore.kernels.registry import KernelRegistry, Op
+from axcore.registry import Family, FamilyHook, Provenance, Registries, Registry, family_hook
 from axcore.write_log import WriteLog
 from axcore.xla_flags import check_flag_name, flag_value
 
@@ -47,6 +54,10 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "axcore"
 DISABLE_AUTOLOAD_ENV = "AXCORE_DISABLE_PLUGIN_AUTOLOAD"
+# Comma-separated names of the installed plugins that may load; unset = all, empty = none.
+LOAD_PLUGINS_ENV = "AXCORE_LOAD_PLUGINS"
+# Plugin attribute holding the plugin API versions it works with, e.g. ">=1.0,<2".
+API_REQUIREMENT_ATTRIBUTE = "AXCORE_PLUGIN_API"
 BUILTIN_DISTRIBUTION = "axcore"
 # Hook implementation options that would reorder plugins; axcore refuses them (it orders by `plugins:`).
 _REFUSED_OPTIONS = ("tryfirst", "trylast", "wrapper", "hookwrapper")
@@ -104,8 +115,83 @@ class PluginInfo:
     listed: bool = True
 
 
+@dataclasses.dataclass(frozen=True)
+class Component:
+    """One thing a plugin registers."""
+
+    # Registry family, e.g. "layers".
+    family: str
+    # Kind of entry, e.g. "layer".
+    kind: str
+    # Registered name; a kernel's is "OP/KERNEL", e.g. "attention/xla".
+    name: str
+    # Whether it was registered with override=True.
+    override: bool = False
+    # The registered object (not part of the JSON listing).
+    value: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"family": self.family, "kind": self.kind, "name": self.name, "override": self.override}
+
+
+def _check_api_requirement(plugin: Any, name: str, distribution: str) -> None:
+    """Raises if `plugin`'s AXCORE_PLUGIN_API specifier excludes this axcore's plugin API version."""
+    required = getattr(plugin, API_REQUIREMENT_ATTRIBUTE, None)
+    if required is None:
+        return
+    try:
+        spec = SpecifierSet(required) if isinstance(required, str) else None
+    except InvalidSpecifier:
+        spec = None
+    if spec is None:
+        raise PluginLoadError(
+            f"Plugin '{name}' (distribution {distribution}) sets {API_REQUIREMENT_ATTRIBUTE} = {required!r}, which is "
+            f"not a version specifier; write e.g. {API_REQUIREMENT_ATTRIBUTE} = \">={hookspecs.PLUGIN_API_VERSION}\"."
+        )
+    if not spec.contains(hookspecs.PLUGIN_API_VERSION, prereleases=True):
+        raise PluginVersionError(
+            f"Plugin '{name}' (distribution {distribution}) requires axcore plugin API {spec}, but axcore "
+            f"{_core_version()} provides plugin API {hookspecs.PLUGIN_API_VERSION}; upgrade axcore, install a "
+            f"release of {distribution} made for plugin API {hookspecs.PLUGIN_API_VERSION}, or remove it from "
+            f"`plugins:`."
+        )
+
+
+def _record_registrations(registry: Registry, family: Family, found: list[Component]) -> None:
+    """Makes `registry` append a Component to `found` for each registration it accepts."""
+    accept = registry.register
+
+    def register(name: Any, value: Any, provenance: Provenance, override: bool = False) -> None:
+        accept(name, value, provenance, override)
+        if isinstance(registry, KernelRegistry):  # `name` is the op; the kernel names itself.
+            name = f"{name.name if isinstance(name, Op) else name}/{getattr(value, 'name', value)}"
+        found.append(Component(family.name, family.kind, str(name), override, value))
+
+    registry.register = register  # type: ignore[method-assign]
+
+
+class PluginExcludedError(UnknownPluginError):
+    """A `plugins:` entry names an installed plugin that AXCORE_LOAD_PLUGINS leaves out."""
+
+
+class UnknownHookError(PluginError):
+    """A hook name (e.g. `axcore plugins --hook NAME`) that no hookspec declares."""
+
+
 def autoload_disabled() -> bool:
     return bool(os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip())
+
+
+def load_allow_list() -> frozenset[str] | None:
+    """Canonical names of the installed plugins AXCORE_LOAD_PLUGINS lets load; None when it is unset (all may)."""
+    value = os.environ.get(LOAD_PLUGINS_ENV)
+    if value is None:
+        return None
+    return frozenset(canonicalize_name(n.strip()) for n in value.split(",") if n.strip())
+
+
+def _allowed(name: str, allowed: frozenset[str] | None) -> bool:
+    return allowed is None or canonicalize_name(name) in allowed
 
 
 def _path_fingerprint() -> tuple:
@@ -124,6 +210,22 @@ _ENTRY_POINTS_CACHE: dict[str, tuple[tuple, tuple[importlib.metadata.EntryPoint,
 
 def installed_entry_points() -> dict[str, list[importlib.metadata.EntryPoint]]:
     """Plugin name -> entry points of that name in the `axcore` group (not imported).
+
+    Only plugins that may load: those AXCORE_LOAD_PLUGINS leaves out are in
+    `excluded_entry_points()` instead.
+    """
+    allowed = load_allow_list()
+    return {name: eps for name, eps in _scanned_entry_points().items() if _allowed(name, allowed)}
+
+
+def excluded_entry_points() -> dict[str, list[importlib.metadata.EntryPoint]]:
+    """Installed plugins that AXCORE_LOAD_PLUGINS leaves out (empty when it is unset)."""
+    allowed = load_allow_list()
+    return {name: eps for name, eps in _scanned_entry_points().items() if not _allowed(name, allowed)}
+
+
+def _scanned_entry_points() -> dict[str, list[importlib.metadata.EntryPoint]]:
+    """Plugin name -> entry points of every installed plugin, allowed to load or not.
 
     Scanning every distribution's metadata is the slow part of resolving an
     experiment; the scan is reused while `sys.path` and its directories are unchanged
@@ -179,6 +281,7 @@ class AxcorePluginManager:
             raise PluginError(f"Plugin '{name}' is already registered ({self._infos[name].distribution}).")
         if inspect.isclass(plugin):
             plugin = plugin()
+        _check_api_requirement(plugin, name, distribution)
         try:
             self.pm.register(plugin, name=name)
         except pluggy.PluginValidationError as e:
@@ -244,6 +347,33 @@ class AxcorePluginManager:
         """Names of the hooks plugin `name` implements."""
         plugin = self._infos[name].plugin
         return sorted(caller.name for caller in self.pm.get_hookcallers(plugin) or [])
+
+    def hookspec_names(self) -> list[str]:
+        """Every hook with a spec: axcore's and those added by registered plugins."""
+        return sorted(n for n, caller in vars(self.pm.hook).items() if getattr(caller, "spec", None) is not None)
+
+    def components_of(self, name: str) -> list[Component]:
+        """What plugin `name`'s registration hooks register, sorted by family and name.
+
+        Registered into registries of its own (no other plugin's entries), so plugins
+        that could not be enabled together are described without conflicting.
+
+        Raises:
+            PluginError: its registrations are invalid (a bad value, one name twice).
+        """
+        info = self._infos[name]
+        implemented = set(self.hooks_of(name))
+        hooks = [(hook, declared) for hook, declared in self._family_hooks() if hook in implemented]
+        regs = Registries(declared.family for _, declared in hooks)
+        found: list[Component] = []
+        for family in regs.families():
+            _record_registrations(regs.family(family.name), family, found)
+        prov = Provenance(info.name, info.distribution)
+        for hook_name, declared in hooks:
+            registry = regs.family(declared.family.name)
+            register = declared.callback(registry, prov) if declared.callback else registry.register_callback(prov)
+            self._call(info, hook_name, register=register)
+        return sorted(found, key=lambda c: (c.family, c.name))
 
     # -- Calling hooks plugin by plugin ------------------------------------------------
 
@@ -353,6 +483,11 @@ class AxcorePluginManager:
                 out[info.name] = None
                 continue
             base = declared[0]
+            if not isinstance(base, ConfigBase):
+                raise PluginLoadError(
+                    f"Plugin '{info.name}': axcore_settings_config returned {type(base).__name__}, not a config; "
+                    f"return an instance of a ConfigBase subclass (e.g. MySettings()), not a dict."
+                )
             out[info.name] = from_dict(data or {}, self.registries, base, path=info.name)
         if raw:
             names = ", ".join(sorted(raw))
@@ -508,6 +643,14 @@ def create_plugin_manager(
         if entry_points is None:
             entry_points = installed_entry_points()
         eps = entry_points.get(request.name) or entry_points.get(canonicalize_name(request.name))
+        if not eps and not _allowed(request.name, load_allow_list()):
+            excluded = excluded_entry_points()
+            if request.name in excluded or canonicalize_name(request.name) in excluded:
+                raise PluginExcludedError(
+                    f"Plugin '{request.name}' in `plugins:` is installed, but {LOAD_PLUGINS_ENV}="
+                    f"{os.environ.get(LOAD_PLUGINS_ENV, '')!r} leaves it out; add it to {LOAD_PLUGINS_ENV}, unset "
+                    f"the variable, or remove it from `plugins:`."
+                )
         if not eps:
             installed = sorted(set(entry_points) | set(objects))
             raise UnknownPluginError(
@@ -545,31 +688,3 @@ def _core_version() -> str:
         return importlib.metadata.version(BUILTIN_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         return "0+unknown"
-
-
-def describe_plugins(enabled: Sequence[str] = ()) -> list[tuple[str, str, str, str, str]]:
-    """Rows `(name, distribution, version, enabled, hooks)` for built-ins and installed plugins.
-
-    Installed plugins are imported to list their hooks unless autoloading is
-    disabled; one that fails to import is listed with the error instead of hooks.
-    """
-    wanted = {PluginRequest.parse(p).name for p in enabled}
-    manager = create_plugin_manager()
-    rows = [
-        (info.name, info.distribution, info.version, "built-in", ", ".join(manager.hooks_of(info.name)))
-        for info in manager.plugins
-    ]
-    for name, eps in sorted(installed_entry_points().items()):
-        dist, version = _dist_of(eps[0])
-        state = "yes" if name in wanted else "no"
-        if autoload_disabled() and name not in wanted:
-            rows.append((name, dist, version, state, f"(not imported: {DISABLE_AUTOLOAD_ENV} is set)"))
-            continue
-        try:
-            plugin, dist, version = _load_entry_point(name, eps)
-            manager.register_plugin(plugin, name, distribution=dist, version=version, enabled=False)
-            hooks = ", ".join(manager.hooks_of(name))
-        except PluginError as e:
-            hooks = f"(broken: {' '.join(str(e).split())})"
-        rows.append((name, dist, version, state, hooks))
-    return rows

@@ -112,7 +112,7 @@ def test_checkpoint_io_covers_both_backends(results):
 
 def test_recovery_latency_smoke_splits_each_recovery(results):
     data = _load(results, "recovery_latency")
-    assert set(data["results"]) == {"orbax/warm", "tensorstore/warm"}
+    assert set(data["results"]) == {"tensorstore/warm"}
     for name, samples in data["samples"].items():
         for s in samples:
             # The phases add up to the total; every phase took time; it resumed from a committed step.

@@ -87,7 +87,7 @@ def test_errors_exit_2_with_one_line(argv, pattern, capsys):
 
 
 def test_plugins_lists_builtins(capsys):
-    assert main(["plugins"]) == 0
+    assert main(["plugins", "--all"]) == 0
     out = capsys.readouterr().out
     assert "axcore.layers.plugin" in out and "axcore_register_layers" in out and "built-in" in out
     assert "axcore.trainer.plugin" in out and "axcore_register_optimizers" in out

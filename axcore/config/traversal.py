@@ -166,8 +166,9 @@ def split_path(path: str) -> list[str | int]:
     tokens: list[str | int] = []
     for part in path.split(".") if path else []:
         name, _, rest = part.partition("[")
-        if name:
-            tokens.append(name)
+        if not name:
+            raise ValueError(f"empty field name in path {path!r}")
+        tokens.append(name)
         while rest:
             index, _, rest = rest.partition("]")
             tokens.append(int(index))

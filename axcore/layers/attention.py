@@ -1,10 +1,27 @@
-"""Multi-head self-attention with grouped-query support and a position-embedding slot.
+"""Multi-head self-attention with grouped-query support, q/k-norm and position-embedding slots.
 
-Projections (dot sites `q_proj`, `k_proj`, `v_proj`, `o_proj`): wq `[dim, heads,
-head_dim]`, wk/wv `[dim, kv_heads, head_dim]`, wo `[heads, head_dim, dim]`. Scores go
-through the `attention` op (`axcore.kernels.attention`); the XLA reference kernel is
-the fallback. The forward is a sequence of named steps a subclass can replace:
-`project_qkv`, the position embedding's `transform_qk`, `attend`, `project_output`.
+Public parameter names (stable; checkpoints, plugins and sharding rules may rely on
+them), with `d = input_dim`, `n = num_heads`, `k = num_kv_heads`, `h = head_dim`:
+
+- `wq` `[d, n, h]` (logical axes `embed, heads, -`), dot site `q_proj`;
+- `wk`, `wv` `[d, k, h]` (`embed, kv_heads, -`), dot sites `k_proj`, `v_proj`;
+- `wo` `[n, h, d]` (`heads, -, embed`), dot site `o_proj`;
+- children, when configured: `q_norm`, `k_norm` (e.g. `q_norm/scale` `[h]`) and
+  `position_embedding`.
+
+The forward is a short sequence of named steps; each is a public method a subclass
+may override (a feature plugin registers the subclass and puts it in the attention
+slot with its config transform), without copying `forward`:
+
+1. `project_qkv(x)` -> q `[b, t, n, h]`, k and v `[b, t, k, h]`;
+2. `normalize_qk(q, k)` -> q, k (the `q_norm` / `k_norm` children, if set);
+3. `position_embed(q, k, positions)` -> q, k (the `position_embedding` child's
+   `transform_qk`, e.g. RoPE), after the q/k norm as in QK-norm models;
+4. `attend(q, k, v, ...)` -> `[b, t, n, h]` through the `attention` op
+   (`axcore.kernels.attention`; the XLA reference kernel is the fallback);
+5. `project_output(o)` -> `[b, t, d]`.
+
+A subclass adds a child layer with `self.add_child(name, cfg)` in `__init__`.
 """
 
 from __future__ import annotations
@@ -29,7 +46,7 @@ QKV_AXES = {"q": ("batch", "seq", "heads", None), "kv": ("batch", "seq", "kv_hea
 
 
 class MultiheadAttention(BaseLayer):
-    """x `[batch, seq, input_dim]` -> `[batch, seq, input_dim]`."""
+    """x `[batch, seq, input_dim]` -> `[batch, seq, input_dim]`; steps and parameters in the module docstring."""
 
     class Config(BaseLayer.Config):
         """Configures MultiheadAttention."""
@@ -52,6 +69,11 @@ class MultiheadAttention(BaseLayer):
         dropout_rate: Annotated[float, Probability] = 0.0
         # Slot for a position embedding acting on queries/keys (a relative one); None = none.
         position_embedding: InstantiableConfig | None = None
+        # Norm of each query head over head_dim (e.g. rms_norm; input_dim set by the layer), before the
+        # position embedding; None = none.
+        q_norm: InstantiableConfig | None = None
+        # Norm of each key head over head_dim, as q_norm; None = none.
+        k_norm: InstantiableConfig | None = None
         # Attention kernel to force by name; None = highest-priority kernel that supports the call.
         kernel: str | None = None
         # Softmax scale; None = 1 / sqrt(head_dim).
@@ -70,8 +92,12 @@ class MultiheadAttention(BaseLayer):
                 f"{self.path}: num_heads ({cfg.num_heads}) must divide the model dimension ({cfg.input_dim}), "
                 f"or set head_dim explicitly."
             )
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(cfg, name)
+            if norm is not None:
+                self.add_child(name, with_fields(norm, input_dim=self.head_dim))
         if cfg.position_embedding is not None:
-            self._add_child(
+            self.add_child(
                 "position_embedding",
                 with_fields(cfg.position_embedding, dim=self.head_dim, num_heads=cfg.num_heads),
             )
@@ -85,6 +111,7 @@ class MultiheadAttention(BaseLayer):
         return self._config.head_dim or self._config.input_dim // self._config.num_heads
 
     def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
+        """`wq` `[d, n, h]`, `wk` and `wv` `[d, k, h]`, `wo` `[n, h, d]` (public names, module docstring)."""
         cfg = self._config
         d, n, k, h = cfg.input_dim, cfg.num_heads, self.num_kv_heads, self.head_dim
         proj = FanAxes((0,), (1, 2))
@@ -112,7 +139,7 @@ class MultiheadAttention(BaseLayer):
         kv_mask: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
     ) -> jax.Array:
-        """Self-attention.
+        """Self-attention: `project_qkv`, `normalize_qk`, `position_embed`, `attend`, `project_output`.
 
         Args:
             x: `[batch, seq, input_dim]`.
@@ -121,27 +148,67 @@ class MultiheadAttention(BaseLayer):
             segment_ids: `[batch, seq]` int; tokens attend only within their segment
                 (packed sequences); default one segment.
         """
-        q, k, v = self.project_qkv(x)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
-        if "position_embedding" in self.children:
-            q, k = self.position_embedding.transform_qk(q, k, positions, positions)
+        q, k, v = self.project_qkv(x)
+        q, k = self.normalize_qk(q, k)
+        q, k = self.position_embed(q, k, positions)
         out = self.attend(q, k, v, positions=positions, kv_mask=kv_mask, segment_ids=segment_ids)
         return self.project_output(out)
 
     def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x `[b, t, dim]` -> q `[b, t, heads, head_dim]`, k and v `[b, t, kv_heads, head_dim]`, each with a
-        sharding constraint from its logical axes (`QKV_AXES`)."""
+        """Step 1, the input projections (`wq`, `wk`, `wv` through the `dot` op).
+
+        x `[b, t, input_dim]` -> q `[b, t, heads, head_dim]`, k and v `[b, t, kv_heads, head_dim]`,
+        each with a sharding constraint from its logical axes (`QKV_AXES`).
+        """
         q = self._constrain(self._dot("q_proj", x), QKV_AXES["q"])
         k = self._constrain(self._dot("k_proj", x), QKV_AXES["kv"])
         return q, k, self._constrain(self._dot("v_proj", x), QKV_AXES["kv"])
 
+    def normalize_qk(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Step 2, the q/k norm: the `q_norm` / `k_norm` children over head_dim (identity where unset).
+
+        q `[b, t, heads, head_dim]`, k `[b, s, kv_heads, head_dim]` -> `(q, k)` of the same shapes.
+        Runs before `position_embed`, so a QK-norm sees un-rotated queries and keys.
+        """
+        if "q_norm" in self.children:
+            q = self.q_norm(q)
+        if "k_norm" in self.children:
+            k = self.k_norm(k)
+        return q, k
+
+    def position_embed(self, q: jax.Array, k: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Step 3, the relative position embedding: the `position_embedding` child's `transform_qk`
+        (identity where unset; biases such as ALiBi act in `attend` instead).
+
+        q `[b, t, heads, head_dim]`, k `[b, t, kv_heads, head_dim]`, positions `[b, t]` int
+        -> `(q, k)` of the same shapes.
+        """
+        if "position_embedding" in self.children:
+            q, k = self.position_embedding.transform_qk(q, k, positions, positions)
+        return q, k
+
     def project_output(self, out: jax.Array) -> jax.Array:
-        """`[b, t, heads, head_dim]` (constrained like q) -> `[b, t, dim]`."""
+        """Step 5, the output projection (`wo` through the `dot` op).
+
+        out `[b, t, heads, head_dim]` (constrained like q) -> `[b, t, input_dim]`.
+        """
         return self._dot("o_proj", self._constrain(out, QKV_AXES["q"]))
 
     def attend(self, q, k, v, *, positions=None, kv_mask=None, segment_ids=None) -> jax.Array:
-        """Runs the selected attention kernel on projected q, k, v (see kernels.attention)."""
+        """Step 4, the attention op: runs the selected kernel (see `axcore.kernels.attention`).
+
+        Args:
+            q: `[b, t, heads, head_dim]`.
+            k, v: `[b, s, kv_heads, head_dim]` (kv heads are shared by groups of query heads).
+            positions: `[b, t]` int, for position biases (ALiBi slopes or `attention_bias`).
+            kv_mask: `[b, s]` bool, False for padding keys; None = all valid.
+            segment_ids: `[b, t]` int (packed sequences); None = one segment.
+
+        Returns:
+            `[b, t, heads, head_dim]`, softmax-weighted values (masking, soft-cap, dropout per config).
+        """
         cfg = self._config
         slopes, bias_fn = None, None
         if "position_embedding" in self.children:

@@ -136,7 +136,7 @@ class BaseLayer(Module):
         """Values of `field` from the root down to this layer (unset ones skipped)."""
         values, node = [], self
         while node is not None:
-            cfg = node.config
+            cfg = node._config  # Read only: `config` would return a deep copy each time.
             if field in cfg.keys() and getattr(cfg, field) is not None:
                 values.append(getattr(cfg, field))
             node = node.parent

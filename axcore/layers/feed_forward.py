@@ -1,4 +1,14 @@
-"""Position-wise feed-forward layer: `down(act(up(x)))`."""
+"""Position-wise feed-forward layer: `down(act(up(x)))`.
+
+Public parameter names (children built from the `linear` template): `up_proj/weight`
+`[input_dim, hidden_dim]` (logical axes `embed, mlp`) and `down_proj/weight`
+`[hidden_dim, input_dim]` (`mlp, embed`), plus `up_proj/bias` `[hidden_dim]` and
+`down_proj/bias` `[input_dim]` where `linear.bias` is true.
+
+The forward is three named steps, public methods a subclass may override:
+`project_up(x)` -> `[..., hidden_dim]`, `activate(h)` (the nonlinearity) and
+`project_down(h)` -> `[..., input_dim]`.
+"""
 
 from __future__ import annotations
 
@@ -65,9 +75,22 @@ class FeedForward(BaseLayer):
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
         up, down = projection_configs(self._config)
-        self._add_child("up_proj", up)
-        self._add_child("down_proj", down)
+        self.add_child("up_proj", up)
+        self.add_child("down_proj", down)
 
     def forward(self, x: jax.Array) -> jax.Array:
-        act = activation_fn(self._config.activation)
-        return self.down_proj(self._constrain(act(self.up_proj(x)), HIDDEN_AXES))
+        """x `[..., input_dim]` -> `project_down(activate(project_up(x)))` `[..., input_dim]`."""
+        return self.project_down(self.activate(self.project_up(x)))
+
+    def project_up(self, x: jax.Array) -> jax.Array:
+        """Step 1, the `up_proj` child: x `[..., input_dim]` -> pre-activation `[..., hidden_dim]`."""
+        return self.up_proj(x)
+
+    def activate(self, h: jax.Array) -> jax.Array:
+        """Step 2, the `activation` nonlinearity, elementwise: `[..., hidden_dim]` -> the same shape."""
+        return activation_fn(self._config.activation)(h)
+
+    def project_down(self, h: jax.Array) -> jax.Array:
+        """Step 3, the `down_proj` child: h `[..., hidden_dim]` (sharding-constrained by `HIDDEN_AXES`)
+        -> `[..., input_dim]`."""
+        return self.down_proj(self._constrain(h, HIDDEN_AXES))

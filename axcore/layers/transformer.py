@@ -1,5 +1,11 @@
 """Pre-norm transformer layer and layer stacks (unrolled, or scanned over stacked params).
 
+`TransformerLayer`'s public parameter names are those of its children:
+`attention_norm`, `self_attention` (`wq`, `wk`, `wv`, `wo`, see
+`axcore.layers.attention`), `ffn_norm` and `feed_forward` (`up_proj`, `down_proj`,
+see `axcore.layers.feed_forward`). Its forward is two named residual steps a
+subclass may override: `attention_block(x, **kwargs)` and `ffn_block(x)`.
+
 Both stacks take `x [batch, seq, input_dim]` and keyword arguments that they pass
 to every layer (`positions`, `kv_mask`). For the same parameters (the scanned stack
 holds each unrolled layer's tree stacked on a leading `num_layers` axis) they give
@@ -29,7 +35,10 @@ RESIDUAL_AXES = ("batch", "seq", "embed")
 
 
 class TransformerLayer(BaseLayer):
-    """x + attn(norm(x)), then + ffn(norm(x)); optional residual dropout."""
+    """x + attn(norm(x)), then + ffn(norm(x)); optional residual dropout.
+
+    Children (public names): `attention_norm`, `self_attention`, `ffn_norm`, `feed_forward`.
+    """
 
     class Config(BaseLayer.Config):
         """Configures TransformerLayer."""
@@ -49,10 +58,10 @@ class TransformerLayer(BaseLayer):
         super().__init__(cfg, **kwargs)
         cfg = self._config
         dim = cfg.input_dim
-        self._add_child("attention_norm", with_fields(cfg.norm, input_dim=dim))
-        self._add_child("self_attention", with_fields(cfg.self_attention, input_dim=dim))
-        self._add_child("ffn_norm", with_fields(cfg.norm, input_dim=dim))
-        self._add_child("feed_forward", with_fields(cfg.feed_forward, input_dim=dim))
+        self.add_child("attention_norm", with_fields(cfg.norm, input_dim=dim))
+        self.add_child("self_attention", with_fields(cfg.self_attention, input_dim=dim))
+        self.add_child("ffn_norm", with_fields(cfg.norm, input_dim=dim))
+        self.add_child("feed_forward", with_fields(cfg.feed_forward, input_dim=dim))
 
     def _dropout(self, x: jax.Array, name: str) -> jax.Array:
         rate = self._config.dropout_rate
@@ -67,10 +76,21 @@ class TransformerLayer(BaseLayer):
         """x `[batch, seq, input_dim]` -> the same shape; input and output carry the sharding
         constraint of `RESIDUAL_AXES`."""
         x = self._constrain(x, RESIDUAL_AXES)
+        x = self.attention_block(x, **kwargs)
+        return self._constrain(self.ffn_block(x), RESIDUAL_AXES)
+
+    def attention_block(self, x: jax.Array, **kwargs) -> jax.Array:
+        """Step 1: `x + dropout(self_attention(attention_norm(x), **kwargs))`; `[b, t, dim]` -> the same.
+
+        `kwargs` (`positions`, `kv_mask`, `segment_ids`) go to the attention.
+        """
         h = self.self_attention(self.attention_norm(x), **kwargs)
-        x = x + self._dropout(h, "attention_dropout")
+        return x + self._dropout(h, "attention_dropout")
+
+    def ffn_block(self, x: jax.Array) -> jax.Array:
+        """Step 2: `x + dropout(feed_forward(ffn_norm(x)))`; `[b, t, dim]` -> the same."""
         h = self.feed_forward(self.ffn_norm(x))
-        return self._constrain(x + self._dropout(h, "ffn_dropout"), RESIDUAL_AXES)
+        return x + self._dropout(h, "ffn_dropout")
 
 
 class StackedTransformer(BaseLayer):

@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import yaml
 from jax.experimental import multihost_utils
 
 from axcore.data import Split
@@ -342,11 +341,8 @@ class Trainer:
 
     def _save_config(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if not is_primary():
-            return
-        data = self.experiment.to_dict()
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False), "utf-8")
-        (self.run_dir / "config.txt").write_text(self.experiment.flat(), "utf-8")
+        if is_primary():  # config.yaml loads back as it ran (see Experiment.save).
+            self.experiment.save(self.run_dir)
 
     def _check_finite(self, steps: list[int], checks: list[tuple[float, float]], backend) -> None:
         """Raises NonFiniteLossError at the first step whose loss or gradient norm is not finite."""

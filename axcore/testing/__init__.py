@@ -1,0 +1,51 @@
+"""Testing tools for plugin authors: conformance suites, tiny experiments, a pytest plugin.
+
+    from axcore.testing import AttentionKernelConformance
+
+    class TestMyKernel(AttentionKernelConformance):
+        kernel = MyKernel()
+
+Suites (base test classes, configured by class attributes): AttentionKernelConformance,
+PositionEmbeddingConformance, CheckpointBackendConformance, ConfigTransformConformance.
+Their checks are plain functions too (`check_attention_kernel`, ...). The pytest plugin
+(`axcore.testing.pytest_plugin`, loaded through the `pytest11` entry point) adds the
+fixtures `axcore_plugin_manager`, `axcore_registries`, `axcore_tiny_experiment` and
+`axcore_train_steps`. Names load lazily (PEP 562): importing this package imports
+neither JAX nor pytest.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from axcore._lazy import lazy_exports
+
+_EXPORTS = {
+    "axcore.testing.conformance": [
+        "AttentionKernelConformance",
+        "CheckpointBackendConformance",
+        "ConfigTransformConformance",
+        "PositionEmbeddingConformance",
+    ],
+    "axcore.testing._attention": [
+        "DEFAULT_CASES",
+        "AttentionCase",
+        "check_attention_kernel",
+        "numpy_attention",
+    ],
+    "axcore.testing._training": ["TINY_OVERRIDES", "load_tiny_experiment", "train_steps"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+__getattr__, __dir__ = lazy_exports(globals(), _WHERE)
+
+if TYPE_CHECKING:
+    from axcore.testing._attention import DEFAULT_CASES, AttentionCase, check_attention_kernel, numpy_attention
+    from axcore.testing._training import TINY_OVERRIDES, load_tiny_experiment, train_steps
+    from axcore.testing.conformance import (
+        AttentionKernelConformance,
+        CheckpointBackendConformance,
+        ConfigTransformConformance,
+        PositionEmbeddingConformance,
+    )

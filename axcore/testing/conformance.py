@@ -1,0 +1,197 @@
+"""Conformance suites: base test classes a component's author subclasses with one line.
+
+    from axcore.testing import AttentionKernelConformance
+
+    class TestMyKernel(AttentionKernelConformance):
+        kernel = MyKernel()
+
+Each suite checks numbers against an independent formula (NumPy float64) or
+behaviour against the protocol, never a component against itself; the checks are
+also plain functions (`axcore.testing.check_*`) for use outside pytest. Class
+attributes configure a suite; see each class.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import pytest
+
+from axcore.experiment import load_experiment
+from axcore.plugins import create_plugin_manager
+from axcore.testing import _attention, _checkpoint, _position, _transform
+from axcore.testing._training import TINY_OVERRIDES
+
+
+def _manager(plugins: Sequence[str], objects: Mapping[str, Any] | None):
+    return create_plugin_manager(list(plugins), objects=dict(objects or {}))
+
+
+class AttentionKernelConformance:
+    """An `attention` kernel: output and q/k/v gradients against the formula, honest `is_supported`.
+
+    Cases (`cases`, default `DEFAULT_CASES`) cover float32 and bfloat16, causal,
+    sliding-window and key-padding masks, cross lengths and GQA/MQA; a case the kernel
+    declines (with a reason) is skipped, and a kernel that declines them all fails.
+    """
+
+    # The kernel under test (an object with name, priority, is_supported and __call__).
+    kernel: ClassVar[Any] = None
+    # The cases to run.
+    cases: ClassVar[Sequence[_attention.AttentionCase]] = _attention.DEFAULT_CASES
+    # Platform written into the problems; None = JAX's default backend.
+    platform: ClassVar[str | None] = None
+    # dtype name -> (output, gradient) tolerance; merged over DEFAULT_TOLERANCES.
+    tolerances: ClassVar[dict] = {}
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "attention_case" in metafunc.fixturenames:
+            metafunc.parametrize("attention_case", list(self.cases), ids=[c.name for c in self.cases])
+
+    def test_has_a_name_and_priority(self):
+        assert isinstance(self.kernel.name, str) and self.kernel.name
+        assert isinstance(self.kernel.priority, int)
+
+    def test_declines_unknown_extras(self):
+        _attention.check_declines_unknown_extras(self.kernel, self.cases[0], platform=self.platform)
+
+    def test_supports_some_case(self):
+        supported = [c.name for c in self.cases if self.kernel.is_supported(c.problem(self.platform))]
+        assert supported, f"kernel {self.kernel.name!r} declines every case; the suite would check nothing"
+
+    def test_matches_the_attention_formula(self, attention_case):
+        support = _attention.check_case(
+            self.kernel, attention_case, platform=self.platform, tolerances=self.tolerances
+        )
+        if not support:
+            pytest.skip(f"{self.kernel.name} declines: {support.reason}")
+
+
+class PositionEmbeddingConformance:
+    """A position embedding: shapes and dtypes in every place, positions matter, relative invariance if claimed."""
+
+    # The embedding's config, e.g. `MyEmbedding.default_config()` (dim/num_heads are set if unset).
+    embedding: ClassVar[Any] = None
+    # Whether attention logits depend only on position differences (then checked).
+    relative: ClassVar[bool] = False
+    # Whether it is the identity (then "positions matter" is not checked).
+    identity: ClassVar[bool] = False
+    # Plugins (names, or keys of `objects`) whose registries build it.
+    plugins: ClassVar[Sequence[str]] = ()
+    objects: ClassVar[Mapping[str, Any]] = {}
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def built(cls):
+        registries = _manager(cls.plugins, cls.objects).registries
+        return _position.build(cls.embedding, registries)
+
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_shapes_and_dtypes(self, built, dtype):
+        import jax.numpy as jnp
+
+        _position.check_shapes_and_dtypes(*built, jnp.dtype(dtype))
+
+    def test_positions_matter(self, built):
+        if self.identity:
+            pytest.skip("declared the identity")
+        _position.check_positions_matter(*built)
+
+    def test_relative_position_invariance(self, built):
+        if not self.relative:
+            pytest.skip("does not claim relative positions")
+        _position.check_relative_invariance(*built)
+
+
+class CheckpointBackendConformance:
+    """A checkpoint backend: round trip, commit-marker atomicity, restore into another sharding, mismatch errors."""
+
+    # A registered backend name (looked up in the registries of `plugins`) or a factory.
+    backend: ClassVar[Any] = None
+    plugins: ClassVar[Sequence[str]] = ()
+    objects: ClassVar[Mapping[str, Any]] = {}
+    # A step's commit marker relative to the checkpoint directory, `{step}` formatted in,
+    # e.g. "step_{step:08d}/COMMITTED"; or override `uncommit`.
+    commit_marker: ClassVar[str | None] = None
+
+    def uncommit(self, directory: str, step: int) -> None:
+        """Removes the commit marker of `step`, as if its write had stopped just before the commit."""
+        if self.commit_marker is None:
+            pytest.fail("Set `commit_marker` (a path with {step}) or override `uncommit(directory, step)`.")
+        marker = os.path.join(directory, self.commit_marker.format(step=step))
+        assert os.path.exists(marker), f"the committed step {step} has no commit marker {marker}"
+        os.remove(marker)
+
+    @pytest.fixture
+    def open_backend(self):
+        factory = self.backend
+        if isinstance(factory, str):
+            factory = _manager(self.plugins, self.objects).registries.checkpoint_backends[factory]
+        opened = []
+
+        def open_backend(directory, **kwargs):
+            backend = factory(directory, **kwargs)
+            opened.append(backend)
+            return backend
+
+        yield open_backend
+        for backend in opened:
+            backend.close()
+
+    def test_round_trip(self, open_backend, tmp_path):
+        _checkpoint.check_round_trip(open_backend, str(tmp_path))
+
+    def test_commit_marker_atomicity(self, open_backend, tmp_path):
+        _checkpoint.check_commit_atomicity(open_backend, str(tmp_path), self.uncommit)
+
+    def test_restore_into_another_sharding(self, open_backend, tmp_path):
+        _checkpoint.check_restore_into_another_sharding(open_backend, str(tmp_path))
+
+    def test_mismatch_errors(self, open_backend, tmp_path):
+        _checkpoint.check_mismatch_errors(open_backend, str(tmp_path))
+
+
+class ConfigTransformConformance:
+    """A plugin's config transform: applies to every target, idempotent or refusing, touches nothing else."""
+
+    # The plugin's name: an installed entry point, or a key of `objects`.
+    plugin: ClassVar[str] = ""
+    objects: ClassVar[Mapping[str, Any]] = {}
+    # The plugin's settings section (as in the experiment file), or None.
+    settings: ClassVar[Mapping[str, Any] | None] = None
+    # Experiment (built-in name or file) and overrides giving the config before the transform.
+    experiment: ClassVar[str] = "default"
+    overrides: ClassVar[Sequence[str]] = TINY_OVERRIDES
+    # What it must transform: a class, a predicate (path, node) -> bool, or a tuple of them.
+    targets: ClassVar[Any] = None
+    # What else it may change (e.g. an input embedding it removes): the same forms as `targets`.
+    also_touches: ClassVar[Any] = ()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def transformed(cls):
+        manager = _manager([cls.plugin], cls.objects)
+        raw = {cls.plugin: dict(cls.settings)} if cls.settings else {}
+        settings = manager.settings(raw)
+        # The experiment resolved without plugins: the config the transform receives.
+        before = load_experiment(cls.experiment, [*cls.overrides, "plugins=[]"], objects=dict(cls.objects)).config
+        after = _transform.transform(manager, before, settings)
+        return manager, settings, before, after
+
+    def test_applies_to_every_target(self, transformed):
+        manager, _, before, after = transformed
+        _transform.check_applies_to_every_target(before, after, self.targets, manager.registries)
+
+    def test_touches_nothing_else(self, transformed):
+        manager, _, before, after = transformed
+        allowed = _transform.target_paths(before, self.targets)
+        also = self.also_touches if isinstance(self.also_touches, (tuple, list)) else (self.also_touches,)
+        if also:
+            allowed += _transform.target_paths(before, tuple(also))
+        _transform.check_touches_nothing_else(before, after, allowed, manager.registries)
+
+    def test_idempotent_or_refuses_a_second_application(self, transformed):
+        manager, settings, _, after = transformed
+        _transform.check_idempotent_or_refuses(manager, after, settings, manager.registries)
