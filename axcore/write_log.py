@@ -41,9 +41,15 @@ class WriteLog:
 
         def conflict(path: str, owner: str) -> PluginConflictError:
             was, now = before[path], after.get(path)
+            if now:
+                change = str(sorted(now, key=repr))
+            elif any(q.startswith(f"{path}.") for q in after):  # An emptied slot filled with a component.
+                change = "given a component"
+            else:
+                change = "removed"
             return PluginConflictError(
                 f"Plugins '{owner}' and '{plugin}' both set config '{path}' ({sorted(was, key=repr)} "
-                f"by '{owner}', then {sorted(now, key=repr) if now else 'removed'} by '{plugin}'); "
+                f"by '{owner}', then {change} by '{plugin}'); "
                 f"enable only one of them, or configure the second through the first's settings."
             )
 
