@@ -47,7 +47,7 @@ class SinusoidalPositionEmbedding(PositionEmbedding):
 
     def embed_inputs(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """x `[batch, seq, dim]`, positions `[batch, seq]` int -> `[batch, seq, dim]`."""
-        cfg = self._config
+        cfg = self.config  # Public: a copy of the config the layer was built from.
         if cfg.max_len is not None and x.shape[-2] > cfg.max_len:
             raise ValueError(f"{self.path}: sequence length {x.shape[-2]} exceeds max_len {cfg.max_len}.")
         freqs = jnp.asarray(inverse_frequencies(x.shape[-1], cfg.base), jnp.float32)  # [dim]
