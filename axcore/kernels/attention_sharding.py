@@ -65,3 +65,25 @@ def attention_mesh_layout(problem: AttentionProblem) -> tuple[Support, tuple[Par
 
 
 __all__ = ["attention_mesh_layout", "shard_count"]
+
+
+def checked_call_layout(
+    kernel: str, problem: AttentionProblem, layout: Any, q_segment_ids: Any, kv_segment_ids: Any, **declined: Any
+) -> tuple[PartitionSpec, PartitionSpec] | None:
+    """The `(q_spec, kv_spec)` a fused kernel's call runs over (`layout(problem)`, e.g.
+    `attention_mesh_layout`), after refusing what its `is_supported` declines.
+
+    `declined` holds the call's inputs the kernel does not implement (positions, bias,
+    dropout key, ...): any of them not None is a ValueError, as are segment ids given
+    for one side only and a sharding the layout declines. These are caller bugs (the
+    registry asked `is_supported` first), hence ValueError rather than an AxcoreError.
+    """
+    unexpected = sorted(name for name, value in declined.items() if value is not None)
+    if unexpected:
+        raise ValueError(f"{kernel} attention was given {unexpected}, which is_supported declines.")
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError(f"{kernel} attention needs q_segment_ids and kv_segment_ids together.")
+    support, specs = layout(problem)
+    if not support:
+        raise ValueError(f"{kernel} attention cannot run this sharding: {support.reason}.")
+    return specs

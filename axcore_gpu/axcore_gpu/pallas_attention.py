@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
+from axcore.kernels.attention_sharding import checked_call_layout
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -440,15 +441,10 @@ class PallasAttention:
         bias=None,
         dropout_key=None,
     ):
-        given = {"q_positions": q_positions, "kv_positions": kv_positions, "bias": bias, "dropout_key": dropout_key}
-        unexpected = sorted(name for name, value in given.items() if value is not None)
-        if unexpected:
-            raise ValueError(f"pallas attention was given {unexpected}, which is_supported declines.")
-        if (q_segment_ids is None) != (kv_segment_ids is None):
-            raise ValueError("pallas attention needs q_segment_ids and kv_segment_ids together.")
-        support, specs = mesh_layout(problem)
-        if not support:
-            raise ValueError(f"pallas attention cannot run this sharding: {support.reason}.")
+        specs = checked_call_layout(
+            "pallas", problem, mesh_layout, q_segment_ids, kv_segment_ids,
+            q_positions=q_positions, kv_positions=kv_positions, bias=bias, dropout_key=dropout_key,
+        )
         with_segments, with_mask = q_segment_ids is not None, kv_mask is not None
 
         def attend(q, k, v, *extra):

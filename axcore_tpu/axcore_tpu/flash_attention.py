@@ -35,6 +35,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
+from axcore.kernels.attention_sharding import checked_call_layout
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
 
@@ -123,15 +124,10 @@ class PallasTpuAttention:
         bias=None,
         dropout_key=None,
     ):
-        given = {"q_positions": q_positions, "kv_positions": kv_positions, "bias": bias, "dropout_key": dropout_key}
-        unexpected = sorted(name for name, value in given.items() if value is not None)
-        if unexpected:
-            raise ValueError(f"pallas_tpu attention was given {unexpected}, which is_supported declines.")
-        if (q_segment_ids is None) != (kv_segment_ids is None):
-            raise ValueError("pallas_tpu attention needs q_segment_ids and kv_segment_ids together.")
-        support, specs = mesh_layout(problem)
-        if not support:
-            raise ValueError(f"pallas_tpu attention cannot run this sharding: {support.reason}.")
+        specs = checked_call_layout(
+            "pallas_tpu", problem, mesh_layout, q_segment_ids, kv_segment_ids,
+            q_positions=q_positions, kv_positions=kv_positions, bias=bias, dropout_key=dropout_key,
+        )
         ids = segment_ids_with_mask(q.shape[0], q.shape[1], k.shape[1], q_segment_ids, kv_segment_ids, kv_mask)
 
         def attend(q, k, v, *rows):

@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
+from axcore.kernels.attention_sharding import checked_call_layout
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from axcore_tpu.sharding import mesh_layout, run_sharded
@@ -225,15 +226,10 @@ class SplashAttention:
         bias=None,
         dropout_key=None,
     ):
-        given = {"q_positions": q_positions, "kv_positions": kv_positions, "bias": bias, "dropout_key": dropout_key}
-        unexpected = sorted(name for name, value in given.items() if value is not None)
-        if unexpected:
-            raise ValueError(f"splash attention was given {unexpected}, which is_supported declines.")
-        if (q_segment_ids is None) != (kv_segment_ids is None):
-            raise ValueError("splash attention needs q_segment_ids and kv_segment_ids together.")
-        support, specs = mesh_layout(problem)
-        if not support:
-            raise ValueError(f"splash attention cannot run this sharding: {support.reason}.")
+        specs = checked_call_layout(
+            "splash", problem, mesh_layout, q_segment_ids, kv_segment_ids,
+            q_positions=q_positions, kv_positions=kv_positions, bias=bias, dropout_key=dropout_key,
+        )
         ids = segment_ids_with_mask(
             q.shape[0], q.shape[1], k.shape[1], q_segment_ids, kv_segment_ids, kv_mask
         )
