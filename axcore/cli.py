@@ -11,6 +11,10 @@
     axcore loc                                         integration cost of each installed plugin
     axcore new-plugin NAME [--kind feature|hardware|kernel|checkpoint] [--directory DIR]
                                                        write a plugin package with hooks and tests
+    axcore eval RUN_OR_CKPT [--data PATH ...] [--split validation] [--batch-size N] [--seq-len T]
+                [--max-batches N] [--step S] [--json]  held-out loss and perplexity of a checkpoint
+    axcore generate RUN_OR_CKPT --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+                                                       continue prompts with a run's model (KV-cache decoding)
     axcore NAME [ARGS ...]                             a command added by a plugin
 
 Only argparse (and the names of the built-in commands) is imported at module level,
@@ -138,11 +142,57 @@ def build_parser() -> argparse.ArgumentParser:
         help="fail (exit 2) if the estimated per-device peak exceeds this, e.g. 80GB, 80GiB, 96e9",
     )
     sub.add_parser("loc", help="integration lines of code of each installed plugin (Markdown table)")
+    _add_eval(sub)
+    from axcore import generate_command
+
+    generate_command.add_arguments(
+        sub.add_parser("generate", help="continue prompts with a run's model (KV-cache decoding)")
+    )
     new_plugin = sub.add_parser("new-plugin", help="write a new plugin package (entry point, hooks, README, tests)")
     new_plugin.add_argument("name", help="plugin (entry-point) name, a lowercase identifier, e.g. my_feature")
     new_plugin.add_argument("--kind", choices=("feature", "hardware", "kernel", "checkpoint"), default="feature")
     new_plugin.add_argument("--directory", help="where to write it (default: ./axcore-NAME); must not exist")
     return parser
+
+
+def _add_eval(sub) -> None:
+    eval_ = sub.add_parser(
+        "eval",
+        help="held-out loss and perplexity of a checkpoint on a dataset",
+        description="Loss (mean cross-entropy, nats per token) and perplexity (exp(loss)) of a run's checkpoint; "
+        "every target token counted once (see axcore/evaluation.py).",
+    )
+    eval_.add_argument("run", metavar="RUN_OR_CKPT", help="run directory, its checkpoints/ or one step's directory")
+    eval_.add_argument(
+        "--data", action="append", default=[], metavar="PATH",
+        help="text, JSONL (.jsonl) or token (.bin) file tokenized with the run's tokenizer (repeatable); "
+        "default: the run's input source",
+    )
+    eval_.add_argument("--split", default="validation", help="split of the run's input source: validation (default) or train")
+    eval_.add_argument("--batch-size", type=int, metavar="N", help="rows per batch (default: the run's input.batch_size)")
+    eval_.add_argument("--seq-len", type=int, metavar="T", help="tokens per row (default: the run's input.seq_len)")
+    eval_.add_argument("--max-batches", type=int, metavar="N", help="stop after N batches (default: all the data)")
+    eval_.add_argument("--step", type=int, metavar="S", help="checkpoint step (default: the latest committed)")
+    eval_.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                       help="override a value of the run's config, e.g. --set mesh.mesh_shape=[-1]")
+    eval_.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
+
+
+def _cmd_eval(args) -> int:
+    from axcore.evaluation import evaluate_run, print_result
+
+    result = evaluate_run(
+        args.run, data=args.data, split=args.split, batch_size=args.batch_size, seq_len=args.seq_len,
+        max_batches=args.max_batches, step=args.step, overrides=args.overrides, objects=args.objects,
+    )
+    print_result(result, args.json)
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from axcore import generate_command
+
+    return generate_command.run(args)
 
 
 def _cmd_train(args) -> int:
@@ -265,6 +315,8 @@ COMMANDS = {
     "compile": _cmd_compile,
     "loc": _cmd_loc,
     "new-plugin": _cmd_new_plugin,
+    "eval": _cmd_eval,
+    "generate": _cmd_generate,
 }
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from axcore.registry import Provenance, Registry
 
 # The `axcore` command's own sub-commands; plugins may not register these names.
-BUILTIN_COMMANDS = ("train", "config", "plugins", "compile", "loc", "new-plugin")
+BUILTIN_COMMANDS = ("train", "config", "plugins", "compile", "loc", "new-plugin", "eval", "generate")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,7 @@ from axcore.commands import command_callback, command_validator
 from axcore.config import Configurable
 from axcore.data.tokenizer import Tokenizer
 from axcore.experiments import experiment_source_validator
+from axcore.interop import converter_validator
 from axcore.kernels.registry import KernelRegistry, OpRegistry, fixed_op_callback
 from axcore.layers.position import PositionEmbedding
 from axcore.markers import PROJECT_NAME, hookimpl, hookspec
@@ -77,7 +78,7 @@ __all__ = ["PLUGIN_API_VERSION", "PROJECT_NAME", "hookimpl", "hookspec"]
 
 # Version of the plugin API these specs define (see "Evolution policy" above); a plugin
 # requires one with `AXCORE_PLUGIN_API = ">=1.0"`.
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"
 
 KERNELS = Family("kernels", "kernel", registry_class=KernelRegistry)
 
@@ -384,6 +385,25 @@ def axcore_register_commands(register: RegisterCommand) -> None:
     plugins, each loaded on its own (unless AXCORE_DISABLE_PLUGIN_AUTOLOAD is set).
     Built-in command names may not be registered; one name from two plugins is an
     error naming both unless exactly one says override=True.
+    """
+
+
+@registers(Family("model_converters", "model converter", converter_validator))
+@hookspec
+def axcore_register_model_converters(register: RegisterComponent) -> None:
+    """Register converters between axcore and an outside checkpoint format, by its model type.
+
+    Args:
+        register: `register(model_type, converter, *, override=False)`; `model_type`
+            is the outside format's name of the family (Hugging Face `config.json`'s
+            `model_type`, e.g. `llama`) and `converter` an `axcore.interop.ModelConverter`
+            instance (experiment and outside config both ways, parameters both ways).
+
+    Returns nothing. Called like the other registration hooks. `axcore convert`
+    (plugin `hf`) looks a model type up among the built-in plugins, then installed
+    plugins, each loaded on its own; one model type from two plugins is an error
+    naming both unless exactly one says override=True, and an unknown one lists the
+    registered model types.
     """
 
 

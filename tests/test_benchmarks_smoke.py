@@ -17,7 +17,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MACHINE_KEYS = {"cpu_model", "cores", "python", "jax_version", "backend", "device_kind", "device_count"}
 BENCHMARKS = [
-    "step_time", "utilization", "memory", "compile_time", "startup", "checkpoint_io", "dispatch_overlap", "recovery_latency"
+    "step_time", "utilization", "memory", "compile_time", "startup", "checkpoint_io", "dispatch_overlap", "recovery_latency",
+    "decode_speed",
 ]
 
 pytestmark = pytest.mark.slow

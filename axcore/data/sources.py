@@ -14,8 +14,12 @@ train and eval splits never overlap:
 Documents are joined with `DOCUMENT_SEPARATOR` (a blank line, `b"\\n\\n"`) and
 tokenized with the experiment's tokenizer (`use_tokenizer`; by default, and with the
 `bytes` tokenizer, token id = UTF-8 byte, as a zero-copy view). Within one split, the
-separator goes between documents only. Pre-tokenized sources (`TokenFile`) ignore
-the tokenizer.
+separator goes between documents only. Other tokenizers encode document by document
+(`Tokenizer.encode_documents`, which may batch and mark document starts and ends),
+each document but the last of a split followed by the separator, and the ids are
+concatenated; so a big corpus is never one string, and a tokenizer whose ids do not
+depend on where the text is cut gives exactly the ids of the joined text.
+Pre-tokenized sources (`TokenFile`) ignore the tokenizer.
 """
 
 from __future__ import annotations
@@ -98,6 +102,25 @@ class DataSource(Configurable):
             return _byte_tokens(text)
         return np.asarray(self._tokenizer.encode(text.decode("utf-8")))
 
+    def encode_documents(self, documents: Sequence[bytes]) -> np.ndarray:
+        """UTF-8 `documents` -> the token ids `[n]` of the split they make (module docstring).
+
+        Bytes: the joined text as a read-only uint8 view. Another tokenizer: its
+        `encode_documents` of each document (all but the last followed by
+        `DOCUMENT_SEPARATOR`), concatenated as int32.
+        """
+        if self._tokenizer is None or isinstance(self._tokenizer, ByteTokenizer):
+            return _byte_tokens(DOCUMENT_SEPARATOR.join(documents))
+        last = len(documents) - 1
+        texts = [(d + DOCUMENT_SEPARATOR if i < last else d).decode("utf-8") for i, d in enumerate(documents)]
+        ids = self._tokenizer.encode_documents(texts)
+        if len(ids) != len(texts):
+            raise DataError(
+                f"{type(self._tokenizer).__name__}.encode_documents returned {len(ids)} arrays for {len(texts)} "
+                f"documents; it must return one per document."
+            )
+        return np.concatenate([np.asarray(x, np.int32).reshape(-1) for x in ids]) if ids else np.zeros((0,), np.int32)
+
     def tokens(self, split: Split) -> np.ndarray:
         """The token stream of `split`: 1-D integer array `[num_tokens]`, never empty.
 
@@ -140,19 +163,28 @@ def split_documents(
     split: Split,
     where: str,
     encode: Callable[[bytes], np.ndarray] | None = None,
+    *,
+    encode_documents: Callable[[Sequence[bytes]], np.ndarray] | None = None,
 ) -> np.ndarray:
-    """Tokens (`encode`, default bytes) of the train (leading) or eval (trailing) documents, joined.
+    """Tokens of the train (leading) or eval (trailing) documents, joined.
 
-    Falls back to `split_stream` over all documents when splitting by document
-    count would leave either side without a document.
+    Tokenized by `encode_documents` (documents -> the joined stream, e.g.
+    `DataSource.encode_documents`) if given, else by `encode` (default bytes) of the
+    documents joined with `DOCUMENT_SEPARATOR`. Falls back to `split_stream` over all
+    documents when splitting by document count would leave either side without a document.
     """
-    encode = encode or _byte_tokens
+    if encode_documents is None:
+        encode = encode or _byte_tokens
+
+        def encode_documents(docs: Sequence[bytes]) -> np.ndarray:
+            return encode(DOCUMENT_SEPARATOR.join(docs))
+
     num_eval = int(round(len(documents) * eval_fraction))
     if not 0 < num_eval < len(documents):
-        return split_stream(encode(DOCUMENT_SEPARATOR.join(documents)), eval_fraction, split, where)
+        return split_stream(encode_documents(documents), eval_fraction, split, where)
     cut = len(documents) - num_eval
     part = documents[:cut] if split is Split.TRAIN else documents[cut:]
-    tokens = encode(DOCUMENT_SEPARATOR.join(part))
+    tokens = encode_documents(part)
     if len(tokens) == 0:
         raise DataError(f"{where}: the {split.value} split holds only empty documents; add text.")
     return tokens
@@ -176,7 +208,9 @@ class EmbeddedCorpus(DataSource):
         """Configures EmbeddedCorpus."""
 
     def _load(self, split: Split) -> np.ndarray:
-        return split_documents(read_corpus_documents(), self._config.eval_fraction, split, "embedded corpus", self.encode)
+        return split_documents(
+            read_corpus_documents(), self._config.eval_fraction, split, "embedded corpus", encode_documents=self.encode_documents
+        )
 
 
 def read_corpus_documents() -> list[bytes]:
@@ -204,7 +238,7 @@ class TextFormat(enum.Enum):
 
 
 class TextFiles(DataSource):
-    """UTF-8 text or JSONL files, byte-tokenized; documents joined by a blank line.
+    """UTF-8 text or JSONL files, tokenized with the experiment's tokenizer; documents joined by a blank line.
 
     A `text` file is one document; each line of a `jsonl` file is one document,
     the string in its `jsonl_field`. Eval is the trailing documents (see the module
@@ -234,7 +268,7 @@ class TextFiles(DataSource):
         where = "TextFiles " + ", ".join(f"'{p}'" for p in cfg.paths[:3])
         if len(cfg.paths) > 3:
             where += f" and {len(cfg.paths) - 3} more"
-        return split_documents(self._documents, cfg.eval_fraction, split, where, self.encode)
+        return split_documents(self._documents, cfg.eval_fraction, split, where, encode_documents=self.encode_documents)
 
     def _read_documents(self) -> list[bytes]:
         cfg = self._config

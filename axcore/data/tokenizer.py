@@ -10,7 +10,7 @@ against `Tokenizer`).
 from __future__ import annotations
 
 from typing import Annotated
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -41,6 +41,25 @@ class Tokenizer(Configurable):
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """Token ids `[n]` -> text."""
         raise NotImplementedError(f"{type(self).__name__} must implement decode(ids).")
+
+    def encode_documents(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Each text encoded as one document: a list of int32 ids `[n_i]`, one per text.
+
+        Data sources call this (not `encode` on the joined corpus), so a tokenizer may
+        batch, split long documents, or mark document starts and ends. Default:
+        `encode(text)` for each.
+        """
+        return [np.asarray(self.encode(text)) for text in texts]
+
+    @property
+    def bos_id(self) -> int | None:
+        """Id of the beginning-of-sequence token, or None (it has none)."""
+        return None
+
+    @property
+    def eos_id(self) -> int | None:
+        """Id of the end-of-sequence token, where decoding may stop, or None (it has none)."""
+        return None
 
 
 class ByteTokenizer(Tokenizer):

@@ -21,6 +21,10 @@ slot with its config transform), without copying `forward`:
    (`axcore.kernels.attention`; the XLA reference kernel is the fallback);
 5. `project_output(o)` -> `[b, t, d]`.
 
+Incremental decoding runs the same steps (`extend`): the keys and values of earlier
+tokens come from a KV cache (`init_cache`) instead of being recomputed, so a subclass
+that overrides a step decodes with it too.
+
 A subclass adds a child layer with `self.add_child(name, cfg)` in `__init__`.
 """
 
@@ -38,6 +42,7 @@ from axcore.kernels.attention import ATTENTION, AttentionProblem
 from axcore.kernels.registry import current_environment
 from axcore.layers.base import BaseLayer, DotSite, with_fields
 from axcore.layers.position import PositionEmbedding
+from axcore.module import no_context
 from axcore.params import FanAxes, ParameterSpec, fold_in_name
 
 
@@ -156,6 +161,70 @@ class MultiheadAttention(BaseLayer):
         out = self.attend(q, k, v, positions=positions, kv_mask=kv_mask, segment_ids=segment_ids)
         return self.project_output(out)
 
+    @no_context
+    def init_cache(self, batch: int, max_len: int) -> dict[str, jax.Array]:
+        """An empty KV cache: `key` and `value` `[batch, max_len, kv_heads, head_dim]` zeros in the compute dtype.
+
+        Slot `j` holds the (position-embedded) key and value of the token at position `j`.
+        """
+        shape = (batch, max_len, self.num_kv_heads, self.head_dim)
+        return {"key": jnp.zeros(shape, self.compute_dtype), "value": jnp.zeros(shape, self.compute_dtype)}
+
+    def extend(self, x: jax.Array, cache: dict, *, positions: jax.Array) -> tuple[jax.Array, dict]:
+        """Self-attention of new tokens against the KV cache; returns `(out, cache)` with the new keys written.
+
+        Two forms, told apart by the number of new tokens `t`:
+
+        - prefill (`t > 1`): the first `t` tokens of every sequence (positions must be
+          `0 .. t-1`); they attend causally among themselves, exactly as `forward`, and
+          their keys and values fill cache slots `0 .. t-1`;
+        - step (`t == 1`): one token per sequence at its own position `p_b`; its key and
+          value go to slot `p_b`, and it attends to slots `j <= p_b` (and, with a sliding
+          window, `p_b - j < window`). Slots after `p_b` are never read, so a shorter
+          prompt's padding left there by the prefill is overwritten before it is seen.
+
+        Args:
+            x: `[batch, t, input_dim]`.
+            cache: `init_cache`'s tree, `[batch, max_len, kv_heads, head_dim]` each; it
+                carries the sharding constraint of the training keys (`QKV_AXES["kv"]`).
+            positions: `[batch, t]` int absolute positions (the cache slots written).
+
+        Returns:
+            `([batch, t, input_dim], cache)`.
+        """
+        q, k, v = self.project_qkv(x)
+        q, k = self.normalize_qk(q, k)
+        q, k = self.position_embed(q, k, positions)
+        t, max_len = x.shape[1], cache["key"].shape[1]
+        if t > max_len:
+            raise ValueError(f"{self.path}: {t} new tokens do not fit a KV cache of {max_len} slots.")
+        kv_axes = QKV_AXES["kv"]
+        if t > 1:
+            new = {
+                "key": jax.lax.dynamic_update_slice_in_dim(cache["key"], k.astype(cache["key"].dtype), 0, axis=1),
+                "value": jax.lax.dynamic_update_slice_in_dim(cache["value"], v.astype(cache["value"].dtype), 0, axis=1),
+            }
+            out = self.attend(q, k, v, positions=positions)
+        else:
+            slot = positions[:, 0]
+            rows = jnp.arange(x.shape[0])
+            new = {  # A scatter of one row per sequence (in place inside a decode loop).
+                "key": cache["key"].at[rows, slot].set(k[:, 0].astype(cache["key"].dtype)),
+                "value": cache["value"].at[rows, slot].set(v[:, 0].astype(cache["value"].dtype)),
+            }
+            slots = jnp.arange(max_len)[None, :]
+            visible = slots <= slot[:, None]
+            window = self._config.sliding_window
+            if window is not None:
+                visible = visible & (slot[:, None] - slots < window)
+            kv_positions = jnp.broadcast_to(slots, (x.shape[0], max_len))
+            out = self.attend(
+                q, self._constrain(new["key"], kv_axes), self._constrain(new["value"], kv_axes),
+                positions=positions, kv_mask=visible, kv_positions=kv_positions, masked_by_positions=True,
+            )
+        new = {name: self._constrain(value, kv_axes) for name, value in new.items()}
+        return self.project_output(out), new
+
     def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Step 1, the input projections (`wq`, `wk`, `wv` through the `dot` op).
 
@@ -196,7 +265,9 @@ class MultiheadAttention(BaseLayer):
         """
         return self._dot("o_proj", self._constrain(out, QKV_AXES["q"]))
 
-    def attend(self, q, k, v, *, positions=None, kv_mask=None, segment_ids=None) -> jax.Array:
+    def attend(
+        self, q, k, v, *, positions=None, kv_mask=None, segment_ids=None, kv_positions=None, masked_by_positions=False
+    ) -> jax.Array:
         """Step 4, the attention op: runs the selected kernel (see `axcore.kernels.attention`).
 
         Args:
@@ -205,6 +276,10 @@ class MultiheadAttention(BaseLayer):
             positions: `[b, t]` int, for position biases (ALiBi slopes or `attention_bias`).
             kv_mask: `[b, s]` bool, False for padding keys; None = all valid.
             segment_ids: `[b, t]` int (packed sequences); None = one segment.
+            kv_positions: `[b, s]` int positions of the keys; None = `positions` (self-attention).
+            masked_by_positions: the caller's `kv_mask` already holds the causal and
+                sliding-window masks (by position, as in a decode step), so the kernel
+                applies neither.
 
         Returns:
             `[b, t, heads, head_dim]`, softmax-weighted values (masking, soft-cap, dropout per config).
@@ -226,8 +301,8 @@ class MultiheadAttention(BaseLayer):
             input_specs=self._input_specs((QKV_AXES["q"], q), (QKV_AXES["kv"], k), (QKV_AXES["kv"], v)),
             extras=self.op_extras(ATTENTION),
             scale=cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(self.head_dim),
-            causal=cfg.causal,
-            sliding_window=cfg.sliding_window,
+            causal=cfg.causal and not masked_by_positions,
+            sliding_window=None if masked_by_positions else cfg.sliding_window,
             has_segment_ids=segment_ids is not None,
             softcap=cfg.softcap,
             dropout_rate=dropout,
@@ -243,7 +318,8 @@ class MultiheadAttention(BaseLayer):
         if segment_ids is not None:
             inputs["q_segment_ids"] = inputs["kv_segment_ids"] = segment_ids
         if slopes is not None or bias_fn is not None:
-            inputs["q_positions"] = inputs["kv_positions"] = positions
+            inputs["q_positions"] = positions
+            inputs["kv_positions"] = positions if kv_positions is None else kv_positions
         if dropout > 0.0:
             if self.prng_key is None:
                 raise ValueError(f"{self.path}: attention dropout in training needs a prng_key.")

@@ -14,6 +14,7 @@ from axcore.layers.base import BaseLayer, with_fields
 from axcore.layers.basic import Embedding, Linear, RMSNorm
 from axcore.layers.position import LearnedPositionEmbedding
 from axcore.layers.transformer import RESIDUAL_AXES, StackedTransformer
+from axcore.module import no_context
 
 AUX_LOSS = "aux_loss"
 # Logical axes of the logits `[batch, seq, vocab]` (their sharding constraint).
@@ -110,13 +111,55 @@ class CausalLM(BaseLayer):
         The embedded input (`RESIDUAL_AXES`) and the logits (`LOGITS_AXES`) carry sharding
         constraints under a mesh.
         """
-        x = self.embedding(input_ids)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+        x = self.decoder(self._embed(input_ids, positions), positions=positions, kv_mask=kv_mask)
+        return self._head(x)
+
+    @no_context
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """An empty KV cache for `batch` sequences of up to `max_len` tokens: `{"decoder": ...}`,
+        nested like the decoder's parameters (see `axcore.layers.transformer`)."""
+        limit = self.max_cache_len()
+        if limit is not None and max_len > limit:
+            raise ValueError(
+                f"{self.path}: a KV cache of {max_len} tokens exceeds the learned position embedding's "
+                f"max_len {limit}; generate fewer tokens or use a shorter prompt."
+            )
+        return {"decoder": self.decoder.init_cache(batch, max_len)}
+
+    @no_context
+    def max_cache_len(self) -> int | None:
+        """Most positions a sequence may have: the input position embedding's `max_len`, None if unlimited."""
+        if "position_embedding" in self.children:
+            return getattr(self.position_embedding.config, "max_len", None)
+        return None
+
+    def extend(self, input_ids: jax.Array, cache: dict, positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """Logits of new tokens given the KV cache of the earlier ones; the cache comes back with theirs added.
+
+        Prefill: input_ids `[batch, t]` with `t > 1` are every sequence's first `t` tokens
+        (positions `0 .. t-1`, the default). Step: input_ids `[batch, 1]`, one token per
+        sequence at `positions` `[batch, 1]` (each sequence its own position). Either
+        way the logits equal those of `logits()` over the whole sequence so far.
+
+        Returns:
+            `(float32 logits [batch, t, vocab_size], cache)`.
+        """
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+        x, decoder_cache = self.decoder.extend(self._embed(input_ids, positions), cache["decoder"], positions=positions)
+        return self._head(x), {"decoder": decoder_cache}
+
+    def _embed(self, input_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """input_ids `[b, t]` -> the decoder's input `[b, t, dim]` (token and input position embeddings)."""
+        x = self.embedding(input_ids)
         if "position_embedding" in self.children:
             x = self.position_embedding.embed_inputs(x, positions)
-        x = self._constrain(x, RESIDUAL_AXES)
-        x = self.decoder(x, positions=positions, kv_mask=kv_mask)
+        return self._constrain(x, RESIDUAL_AXES)
+
+    def _head(self, x: jax.Array) -> jax.Array:
+        """The decoder's output `[b, t, dim]` -> float32 logits `[b, t, vocab_size]` (final norm, head)."""
         x = self.final_norm(x)
         logits = self.lm_head(x) if "lm_head" in self.children else self.embedding.attend(x)
         return self._constrain(logits, LOGITS_AXES)

@@ -10,6 +10,12 @@ Both stacks take `x [batch, seq, input_dim]` and keyword arguments that they pas
 to every layer (`positions`, `kv_mask`). For the same parameters (the scanned stack
 holds each unrolled layer's tree stacked on a leading `num_layers` axis) they give
 the same numbers.
+
+Incremental decoding: every layer and stack has `init_cache(batch, max_len)` (no
+parameters needed) and `extend(x, cache, *, positions) -> (x, cache)`, the forward
+with the attention's keys and values kept in a KV cache (see
+`MultiheadAttention.extend` for the prefill and step forms). A stack's cache nests
+like its parameters (`layer0`, ... or one `layer` tree with a leading repeats axis).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from axcore.layers.attention import MultiheadAttention
 from axcore.layers.base import BaseLayer, checkpoint_policy, with_fields
 from axcore.layers.basic import RMSNorm
 from axcore.layers.feed_forward import FeedForward
-from axcore.module import functional
+from axcore.module import functional, no_context
 from axcore.params import Initializer, ParameterSpec, fold_in_name
 
 
@@ -92,6 +98,23 @@ class TransformerLayer(BaseLayer):
         h = self.feed_forward(self.ffn_norm(x))
         return x + self._dropout(h, "ffn_dropout")
 
+    @no_context
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """The self-attention's empty KV cache (`MultiheadAttention.init_cache`)."""
+        attention = self.self_attention
+        if not hasattr(attention, "init_cache"):
+            raise TypeError(
+                f"{attention.path}: {type(attention).__name__} has no KV cache (init_cache/extend), so this "
+                f"model cannot decode incrementally; derive the attention from MultiheadAttention."
+            )
+        return attention.init_cache(batch, max_len)
+
+    def extend(self, x: jax.Array, cache: dict, *, positions: jax.Array) -> tuple[jax.Array, dict]:
+        """`forward` for new tokens against the KV cache: x `[b, t, dim]` -> `(same shape, cache)`."""
+        x = self._constrain(x, RESIDUAL_AXES)
+        h, cache = self.self_attention.extend(self.attention_norm(x), cache, positions=positions)
+        return self._constrain(self.ffn_block(x + h), RESIDUAL_AXES), cache
+
 
 class StackedTransformer(BaseLayer):
     """`num_layers` layers applied in sequence, as children `layer0`, `layer1`, ..."""
@@ -121,6 +144,18 @@ class StackedTransformer(BaseLayer):
         for i in range(self._config.num_layers):
             x = getattr(self, f"layer{i}")(x, **kwargs)
         return x
+
+    @no_context
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """`{"layer0": cache, ...}`, each layer's empty KV cache."""
+        return {f"layer{i}": getattr(self, f"layer{i}").init_cache(batch, max_len) for i in range(self._config.num_layers)}
+
+    def extend(self, x: jax.Array, cache: dict, *, positions: jax.Array) -> tuple[jax.Array, dict]:
+        """Each layer's `extend` in sequence: x `[b, t, dim]` -> `(same shape, cache)`."""
+        new = {}
+        for i in range(self._config.num_layers):
+            x, new[f"layer{i}"] = getattr(self, f"layer{i}").extend(x, cache[f"layer{i}"], positions=positions)
+        return x, new
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,3 +247,24 @@ class RepeatedTransformer(BaseLayer):
         for mine, stacked in zip(ctx.output_collection.child("layer"), collections):
             mine.update(stacked)
         return x
+
+    @no_context
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """`{"layer": the unit's empty KV cache}` with a leading `[repeats]` axis on every leaf."""
+        unit = self.layer.init_cache(batch, max_len)
+        return {"layer": jax.tree.map(lambda a: jnp.broadcast_to(a, (self.repeats, *a.shape)), unit)}
+
+    def extend(self, x: jax.Array, cache: dict, *, positions: jax.Array) -> tuple[jax.Array, dict]:
+        """The unit's `extend` under `lax.scan` over (parameters, cache): x `[b, t, dim]` -> `(same shape, cache)`."""
+        ctx = self._context()
+
+        def body(carry, xs):
+            layer_params, layer_cache = xs
+            (out, new_cache), _ = functional(
+                self.layer, layer_params, {"x": carry, "cache": layer_cache, "positions": positions}, None,
+                ctx.is_training, method="extend",
+            )
+            return out, new_cache
+
+        x, new = jax.lax.scan(body, x, (ctx.state.get("layer", {}), cache["layer"]), length=self.repeats)
+        return x, {"layer": new}

@@ -7,7 +7,7 @@ import os
 import typing
 from typing import Annotated, Any
 
-from axcore.config import ConfigBase, InstantiableConfig, MaxLength, NonNegative, Positive, Seed
+from axcore.config import ConfigBase, InstantiableConfig, MaxLength, NonNegative, Positive, Range, Seed
 from axcore.config.base import coerce
 from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
 from axcore.observe.factories import JsonlWriterFactory, MetricsWriterFactory, TensorBoardWriterFactory
@@ -48,6 +48,10 @@ class SampleConfig(ConfigBase):
     num_tokens: Annotated[int, NonNegative] = 200
     # Softmax temperature; 0 picks the most likely token.
     temperature: Annotated[float, NonNegative] = 0.8
+    # Draw only among the k most likely tokens; None = all.
+    top_k: Annotated[int, Positive] | None = None
+    # Draw only from the most likely tokens whose probability reaches top_p (nucleus); 1 = all.
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
 
 
 class WatchdogConfig(ConfigBase):

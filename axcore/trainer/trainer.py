@@ -46,6 +46,7 @@ from axcore.observe.factories import JsonlWriterFactory
 from axcore.sharding import batch_sharding, check_batch_size, make_mesh, parameter_shardings, resolve_rules
 from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.memory_check import check_compiled_memory, check_state_memory
+from axcore.generation import Generator, Sampling
 from axcore.trainer.run_dir import RunDirectory, RunDirectoryError
 from axcore.trainer.learner import (
     apply_state_updates,
@@ -53,7 +54,6 @@ from axcore.trainer.learner import (
     overwrite_with_gradient_mask,
     trainable_mask,
 )
-from axcore.trainer.sampling import sample_tokens
 
 
 class NonFiniteLossError(AxcoreError):
@@ -518,16 +518,15 @@ class Trainer:
         if scfg.num_tokens <= 0:
             return ""
         tokenizer = self.tokenizer
+        eos = getattr(tokenizer, "eos_id", None)
+        generator = Generator(
+            self.model,
+            max_new_tokens=scfg.num_tokens,
+            sampling=Sampling(scfg.temperature, scfg.top_k, scfg.top_p),
+            stop_tokens=() if eos is None else (eos,),
+        )
         with self._op_environment():
-            tokens = sample_tokens(
-                self.model,
-                params,
-                tokenizer.encode(scfg.prompt),
-                scfg.num_tokens,
-                window=self.cfg.input.seq_len,
-                temperature=scfg.temperature,
-                prng_key=jax.random.key(self.cfg.trainer.seed),
-            )
+            [tokens] = generator(params, [tokenizer.encode(scfg.prompt)], jax.random.key(self.cfg.trainer.seed))
         text = scfg.prompt + tokenizer.decode(np.asarray(tokens))
         print(f"Sample:\n{text}", file=self.out)
         return text

@@ -1,0 +1,120 @@
+"""`axcore eval`: loss and perplexity of a checkpoint equal an independent NumPy computation over every
+target token once (partial last row and padded last batch included); bad arguments exit 2 in one line."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+import axcore
+from axcore.cli import main
+from axcore.evaluation import evaluate_run, windows
+from axcore.run_loading import load_model
+from axcore.trainer.trainer import Trainer
+import tiny
+
+TRAIN = [*tiny.TINY, "trainer.max_steps=3", "trainer.eval_every=0", "trainer.sample.num_tokens=0",
+         "trainer.metrics_writers=[]"]
+TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
+        "of a wife. However little known the feelings or views of such a man may be on his first entering a "
+        "neighbourhood, this truth is so well fixed in the minds of the surrounding families. Café!\n")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("eval") / "run"
+    assert main(["train", *[a for o in [*TRAIN, f"trainer.run_dir={run}"] for a in ("--set", o)]]) == 0
+    return run
+
+
+def _numpy_loss(run, tokens, seq_len):
+    """Mean cross-entropy over targets tokens[1:], rows of seq_len, log-softmax in float64 NumPy."""
+    loaded = load_model(run)
+    total, count = 0.0, 0
+    for start in range(0, len(tokens) - 1, seq_len):
+        row = tokens[start : start + seq_len + 1]
+        ids = np.asarray(row[:-1], np.int32)[None]
+        logits, _ = axcore.functional(loaded.model, loaded.params, (ids,), None, False, method="logits")
+        logits = np.asarray(logits, np.float64)[0]
+        log_probs = logits - logits.max(-1, keepdims=True)
+        log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+        targets = np.asarray(row[1:])
+        total -= log_probs[np.arange(len(targets)), targets].sum()
+        count += len(targets)
+    return total / count, count
+
+
+def test_perplexity_equals_an_independent_numpy_computation(run, tmp_path, capsys):
+    text_file = tmp_path / "held_out.txt"
+    text_file.write_text(TEXT)
+    tokens = np.frombuffer(TEXT.encode(), np.uint8)  # The run's tokenizer is bytes.
+    assert (len(tokens) - 1) % 16 and (-(-(len(tokens) - 1) // 16)) % 3  # A partial row and a padded batch.
+    expected, count = _numpy_loss(run, tokens, 16)
+    assert main(["eval", str(run), "--data", str(text_file), "--batch-size", "3", "--seq-len", "16", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["tokens"] == count == len(tokens) - 1
+    assert result["loss"] == pytest.approx(expected, rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-12)
+    assert result["step"] == 3 and result["complete"] and result["batches"] == -(-(-(-count // 16)) // 3)
+    # The same ids as a token file, and as a JSONL document, give the same numbers.
+    tokens.astype(np.uint16).tofile(tmp_path / "held_out.bin")
+    (tmp_path / "held_out.jsonl").write_text(json.dumps({"text": TEXT}) + "\n")
+    for path in ("held_out.bin", "held_out.jsonl"):
+        same = evaluate_run(run, data=[str(tmp_path / path)], batch_size=3, seq_len=16)
+        assert same.tokens == count and same.loss == pytest.approx(result["loss"], rel=1e-6), path
+    # Two files: every target of each counted once, token-weighted.
+    both = evaluate_run(run, data=[str(text_file), str(tmp_path / "held_out.bin")], batch_size=3, seq_len=16)
+    assert both.tokens == 2 * count and both.loss == pytest.approx(result["loss"], rel=1e-6)
+
+
+def test_default_data_is_the_runs_held_out_split_and_max_batches_stops(run, capsys):
+    assert main(["eval", str(run), "--max-batches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"step 3 of {run.resolve()}: loss ") and "validation split of input.source" in out
+    assert "stopped after --max-batches 2" in out
+    first = evaluate_run(run, max_batches=2)
+    assert (first.batches, first.tokens, first.complete) == (2, 2 * 4 * 32, False)
+    # The same batches through the Trainer's own evaluate give the same loss.
+    loaded = load_model(run)
+    trainer = Trainer(loaded.experiment)
+    iterator = loaded.experiment.config.input.make_iterator("eval", trainer.tokenizer)
+    trainer.cfg.trainer.eval_batches = 2
+    assert trainer.evaluate(jax.jit(trainer._eval_step), loaded.params, iterator) == pytest.approx(first.loss, rel=1e-6)
+    assert evaluate_run(run, split="train", max_batches=1).tokens == 4 * 32
+
+
+def test_windows_count_every_target_once():
+    tokens = np.arange(12)
+    batches = list(windows(tokens, seq_len=4, batch_size=2, vocab_size=None, where="x"))
+    labels = np.concatenate([b["target_labels"].reshape(-1) for b in batches])
+    assert sorted(labels[labels >= 0].tolist()) == list(range(1, 12))
+    assert batches[1]["input_ids"][0].tolist() == [8, 9, 10, 0] and batches[1]["target_labels"][1].tolist() == [-1] * 4
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--split", "bogus"], "--split 'bogus' is not a split"),
+        (["--data", "missing.txt"], "--data 'missing.txt' is not a file"),
+        (["--step", "2"], "No committed checkpoint for step 2"),
+        (["--seq-len", "64"], "'model.position_embedding.max_len' (32) must be >= 'input.seq_len' (64)"),
+        (["--max-batches", "0"], "--max-batches must be a positive integer"),
+        (["--batch-size", "x"], "argument --batch-size: invalid int value"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(run, args, message, capsys):
+    try:
+        status = main(["eval", str(run), *args])
+    except SystemExit as e:  # argparse's own errors exit from the parser.
+        status = e.code
+    assert status == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("axcore: error:") and message in err[0], err
+
+
+def test_not_a_run_exits_2(tmp_path, capsys):
+    assert main(["eval", str(tmp_path)]) == 2
+    assert "holds no config.yaml" in capsys.readouterr().err
