@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(prompt + text)
     total = sum(len(t) for t in outputs)
+    sys.stdout.flush()
     print(
         f"Generated {total} tokens for {len(prompts)} prompt(s) from step {loaded.step} of {loaded.source} "
         f"in {elapsed:.2f} s (compile included).",

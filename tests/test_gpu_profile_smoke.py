@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import gpu_profile
+from benchmarks import gpu_profile, xplane
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -50,14 +50,14 @@ def fixed32_field(number: int, value: int) -> bytes:
 
 def test_wire_fields_decode_every_wire_type():
     data = int_field(1, 150) + int_field(2, -5) + double_field(3, 2.5) + fixed32_field(4, 7) + len_field(5, "hé")
-    decoded = gpu_profile.fields(data)
+    decoded = xplane.fields(data)
     assert [(n, w) for n, w, _ in decoded] == [(1, 0), (2, 0), (3, 1), (4, 5), (5, 2)]
     assert decoded[0][2] == 150 and varint(150) == b"\x96\x01"  # The spec's own example.
-    assert gpu_profile.signed(decoded[1][2]) == -5
+    assert xplane.signed(decoded[1][2]) == -5
     assert struct.unpack("<d", struct.pack("<Q", decoded[2][2]))[0] == 2.5
     assert decoded[3][2] == 7 and bytes(decoded[4][2]).decode() == "hé"
     with pytest.raises((ValueError, IndexError)):
-        gpu_profile.fields(len_field(1, "abc")[:-1])  # Truncated.
+        xplane.fields(len_field(1, "abc")[:-1])  # Truncated.
 
 
 def _space() -> bytes:
@@ -80,7 +80,7 @@ def _space() -> bytes:
 
 
 def test_xspace_decoder_on_hand_encoded_planes():
-    planes = gpu_profile.parse_xspace(_space())
+    planes = xplane.parse_xspace(_space())
     assert [p["name"] for p in planes] == ["/host:CPU", "/device:GPU:0"]
     gpu = planes[1]
     stream, derived = gpu["lines"]
@@ -90,7 +90,7 @@ def test_xspace_decoder_on_hand_encoded_planes():
     assert a["stats"] == {"hlo_op": "fusion.3", "hlo_module": "jit_step", "n": -9}
     assert (b["name"], b["start_ps"], b["duration_ps"]) == ("nvjet_hsh_gemm", 9_000_000, 2_000_000)
     assert derived["events"][0]["start_ps"] == 1000  # Its line starts 1 ns later on the plane's one clock.
-    only_gpu = gpu_profile.parse_xspace(_space(), keep=lambda name: name.startswith("/device:GPU"))
+    only_gpu = xplane.parse_xspace(_space(), keep=lambda name: name.startswith("/device:GPU"))
     assert [p["name"] for p in only_gpu] == ["/device:GPU:0"]
 
     # The device timeline takes the stream line only (the derived line would double count).
@@ -118,14 +118,14 @@ def test_decoder_agrees_with_jax_profile_data(tmp_path):
     path = glob.glob(f"{tmp_path}/**/*.xplane.pb", recursive=True)[0]
     ours = {
         (p["name"], line["name"]): sorted((e["name"], e["duration_ps"] // 1000) for e in line["events"])
-        for p in gpu_profile.parse_xspace(pathlib.Path(path).read_bytes()) for line in p["lines"]
+        for p in xplane.parse_xspace(pathlib.Path(path).read_bytes()) for line in p["lines"]
     }
     theirs = {
         (p.name, line.name): sorted((e.name, int(e.duration_ns)) for e in line.events)
         for p in jax.profiler.ProfileData.from_file(path).planes for line in p.lines
     }
     assert ours == theirs
-    _, events, _ = gpu_profile.device_events(gpu_profile.parse_xspace(pathlib.Path(path).read_bytes()))
+    _, events, _ = gpu_profile.device_events(xplane.parse_xspace(pathlib.Path(path).read_bytes()))
     assert events and all(e["name"] and "hlo_op" in e["stats"] for e in events)
 
 

@@ -173,6 +173,20 @@ def test_train_resumes_from_the_import_and_its_step_exports(llama3, tmp_path, ca
     assert np.abs(trained - _hf_logits(exported)).max() < TOLERANCE  # ...and the export is that model.
 
 
+def test_generate_on_an_import_matches_transformers_greedy_generate(llama3, capsys):
+    """`axcore generate` (KV cache, a batch of two prompts of different lengths) against
+    transformers' own greedy `generate` with its own cache, prompt by prompt."""
+    model, _, run = llama3
+    prompts = ["hello", "Good morning, "]
+    assert main(["generate", str(run), "--max-new-tokens", "10", "--json", *[a for p in prompts for a in ("--prompt", p)]]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    for prompt, record in zip(prompts, records):
+        ids = torch.tensor([list(prompt.encode())])
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
+        assert record["tokens"] == expected.tolist()
+
+
 def test_the_checkpoints_tokenizer_becomes_the_experiments(llama3, tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     pytest.importorskip("axcore_tokenizers")
