@@ -27,6 +27,10 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())
 
 
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def run_dir_problem(run_dir: str, path: str = "trainer.run_dir") -> str | None:
     """Why `run_dir` cannot hold a run, or None: a file, a kernel filesystem, no write access."""
     if "\x00" in run_dir or not run_dir.strip():
@@ -34,9 +38,12 @@ def run_dir_problem(run_dir: str, path: str = "trainer.run_dir") -> str | None:
     resolved = pathlib.Path(os.path.abspath(os.path.expanduser(run_dir)))
     if any(resolved == pathlib.Path(root) or pathlib.Path(root) in resolved.parents for root in _FORBIDDEN_ROOTS):
         return f"'{path}' ({run_dir}) lies under {', '.join(_FORBIDDEN_ROOTS)}; choose a directory on real storage."
-    if resolved.exists() and not resolved.is_dir():
-        return f"'{path}' ({run_dir}) exists and is not a directory; choose another path."
-    existing = next((p for p in (resolved, *resolved.parents) if p.exists()), None)
+    try:
+        if resolved.exists() and not resolved.is_dir():
+            return f"'{path}' ({run_dir}) exists and is not a directory; choose another path."
+        existing = next((p for p in (resolved, *resolved.parents) if p.exists()), None)
+    except OSError as e:  # E.g. a component longer than the filesystem allows (ENAMETOOLONG).
+        return f"'{path}' ({_short(run_dir)}) is not a usable path ({e.strerror}); choose another path."
     if existing is None or not existing.is_dir():
         return f"'{path}' ({run_dir}): '{existing}' is not a directory; choose another path."
     if not os.access(existing, os.W_OK | os.X_OK):

@@ -519,14 +519,26 @@ class Trainer:
             return ""
         tokenizer = self.tokenizer
         eos = getattr(tokenizer, "eos_id", None)
+        prompt, num_tokens = np.asarray(tokenizer.encode(scfg.prompt)), scfg.num_tokens
+        limit = self.model.max_cache_len()  # Learned input positions end at their max_len.
+        if limit is not None and len(prompt) + num_tokens > limit:
+            prompt = prompt[-(limit - 1):] if len(prompt) >= limit else prompt
+            num_tokens = limit - len(prompt)
+            print(
+                f"Sample: {num_tokens} of trainer.sample.num_tokens={scfg.num_tokens} tokens, as the model's "
+                f"learned positions end at {limit}.",
+                file=self.out,
+            )
+        if len(prompt) == 0:
+            return ""
         generator = Generator(
             self.model,
-            max_new_tokens=scfg.num_tokens,
+            max_new_tokens=num_tokens,
             sampling=Sampling(scfg.temperature, scfg.top_k, scfg.top_p),
             stop_tokens=() if eos is None else (eos,),
         )
         with self._op_environment():
-            [tokens] = generator(params, [tokenizer.encode(scfg.prompt)], jax.random.key(self.cfg.trainer.seed))
+            [tokens] = generator(params, [prompt], jax.random.key(self.cfg.trainer.seed))
         text = scfg.prompt + tokenizer.decode(np.asarray(tokens))
         print(f"Sample:\n{text}", file=self.out)
         return text
