@@ -129,12 +129,13 @@ class Generator:
         if not prompts or min(len(p) for p in prompts) == 0:
             raise ValueError("Every prompt must contain at least one token.")
         lengths = np.array([len(p) for p in prompts], np.int32)
-        width = -(-int(lengths.max()) // self.bucket) * self.bucket
+        cache_len = self.cache_len(int(lengths.max()))
+        width = min(-(-int(lengths.max()) // self.bucket) * self.bucket, cache_len)
         padded = np.full((len(prompts), width), self.pad_id, np.int32)
         for row, prompt in zip(padded, prompts):
             row[: len(prompt)] = prompt
         key = jax.random.key(0) if prng_key is None else prng_key
-        tokens, counts = self._compiled(params, padded, lengths, key, cache_len=self.cache_len(int(lengths.max())))
+        tokens, counts = self._compiled(params, padded, lengths, key, cache_len=cache_len)
         tokens, counts = np.asarray(tokens), np.asarray(counts)
         return [tokens[b, : counts[b]] for b in range(len(prompts))]
 
@@ -144,7 +145,7 @@ class Generator:
     def _generate(self, params, padded, lengths, key, *, cache_len: int):
         """padded `[b, w]`, lengths `[b]` -> (tokens `[b, max_new_tokens]`, counts `[b]`)."""
         batch = padded.shape[0]
-        cache = self.model.init_cache(batch, max(cache_len, padded.shape[1]))
+        cache = self.model.init_cache(batch, cache_len)
         logits, cache = self._extend(params, padded, cache)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
         first = sample_logits(last, jax.random.fold_in(key, 0), self.sampling)

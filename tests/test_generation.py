@@ -50,13 +50,13 @@ def _full_logits(model, params, ids):
     return _LOGITS[id(model)](params, ids)
 
 
-def _greedy_by_full_forward(model, params, prompt, num_new, stops=()):
+def _greedy_by_full_forward(model, params, prompt, num_new, stops=(), width=32):
     """The reference: re-run the whole sequence for every new token (no cache), argmax. The
     model is causal, so a fixed-width buffer (one compilation) gives the same logits."""
     tokens = list(prompt)
     out = []
     for _ in range(num_new):
-        buffer = np.zeros((1, 32), np.int32)
+        buffer = np.zeros((1, width), np.int32)
         buffer[0, : len(tokens)] = tokens
         token = int(np.argmax(np.asarray(_full_logits(model, params, buffer))[0, len(tokens) - 1]))
         out.append(token)
@@ -133,3 +133,16 @@ def test_greedy_is_argmax_and_bad_settings_are_refused():
     for bad in [dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)]:
         with pytest.raises(ValueError):
             Sampling(**bad)
+
+
+def test_prompt_padding_never_exceeds_the_learned_position_limit():
+    """A prompt of 17 tokens pads to the 32-token bucket, but the model has only 20 positions:
+    the padding is cut to the cache, and 3 new tokens still fit (17 + 3 = 20)."""
+    exp = load_experiment(None, [*SMALL[1:], "model.position_embedding.max_len=20"])
+    model = exp.config.model.instantiate(name="model", registries=exp.registries)
+    params = jax.jit(model.initialize)(jax.random.key(5))
+    prompt = np.arange(17, dtype=np.int32) * 5
+    [tokens] = Generator(model, max_new_tokens=3)(params, [prompt])
+    assert tokens.tolist() == _greedy_by_full_forward(model, params, prompt, 3, width=20)
+    with pytest.raises(ValueError, match="max_len 20"):
+        Generator(model, max_new_tokens=4)(params, [prompt])
