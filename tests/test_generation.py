@@ -10,16 +10,6 @@ from axcore.experiment import load_experiment
 from axcore.generation import Generator, Sampling, sample_logits
 from axcore.module import functional
 
-# Full float32 matmuls on every backend (TF32 on a GPU could flip near-tied greedy choices).
-pytestmark = pytest.mark.usefixtures("float32_matmuls")
-
-
-@pytest.fixture
-def float32_matmuls():
-    with jax.default_matmul_precision("float32"):
-        yield
-
-
 SMALL = [
     "plugins=[rope, swiglu]",
     "model.dim=32",

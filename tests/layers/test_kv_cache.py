@@ -10,16 +10,6 @@ import pytest
 from axcore.experiment import load_experiment
 from axcore.module import functional
 
-# Full float32 matmuls on every backend (a GPU would otherwise use TF32 and differ by more than the tolerance).
-pytestmark = pytest.mark.usefixtures("float32_matmuls")
-
-
-@pytest.fixture
-def float32_matmuls():
-    with jax.default_matmul_precision("float32"):
-        yield
-
-
 SMALL = [
     "model.dim=32",
     "model.num_layers=2",
