@@ -18,6 +18,7 @@ SMALL = [
     "model.decoder.layer.self_attention.num_kv_heads=2",
     "model.decoder.layer.feed_forward.hidden_dim=48",
     "input.seq_len=16",
+    "model.compute_dtype=float32",  # Also on a GPU, whose mesh rules would switch compute to bfloat16.
 ]
 
 
