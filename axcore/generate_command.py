@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         raise GenerateError(f"Prompt {empty[0]!r} encodes to no tokens; give a non-empty prompt.")
     generator = Generator(loaded.model, max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=stops)
     limit = loaded.model.max_cache_len()
-    need = max(len(ids) for ids in encoded) + args.max_new_tokens - 1
+    need = generator.positions_needed(max(len(ids) for ids in encoded))
     if limit is not None and need > limit:
         raise GenerateError(
             f"The longest prompt ({max(len(ids) for ids in encoded)} tokens) plus --max-new-tokens "

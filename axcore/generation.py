@@ -105,10 +105,15 @@ class Generator:
         self.pad_id = pad_id
         self._compiled = jax.jit(self._generate, static_argnames=("cache_len",))
 
+    def positions_needed(self, longest_prompt: int) -> int:
+        """Positions a batch whose longest prompt has `longest_prompt` tokens uses (the loop
+        feeds its last token too, so prompt plus every new token)."""
+        return longest_prompt + self.max_new_tokens
+
     def cache_len(self, longest_prompt: int) -> int:
-        """Cache slots for prompts of up to `longest_prompt` tokens: the need, rounded up to
-        the bucket (not past the model's position limit, which the need itself must respect)."""
-        need = longest_prompt + self.max_new_tokens
+        """Cache slots for prompts of up to `longest_prompt` tokens: `positions_needed`, rounded
+        up to the bucket (not past the model's position limit, which the need itself must respect)."""
+        need = self.positions_needed(longest_prompt)
         rounded = -(-need // self.bucket) * self.bucket
         limit = self.model.max_cache_len()
         return rounded if limit is None else max(need, min(rounded, limit))

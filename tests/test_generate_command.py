@@ -53,6 +53,7 @@ def test_greedy_generation_of_a_trained_run_matches_full_forward_argmax(run, cap
         (["--prompt", "x", "--top-p", "1.5"], "top_p must be in (0, 1]"),
         (["--prompt", "x", "--stop-token", "999"], "--stop-token 999 is outside"),
         (["--prompt", "x", "--max-new-tokens", "40"], "max_len"),
+        (["--prompt", "x", "--max-new-tokens", "32"], "max_len"),  # 1 + 32 positions: one past the 32.
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(run, capsys, extra, message):

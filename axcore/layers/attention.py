@@ -198,20 +198,22 @@ class MultiheadAttention(BaseLayer):
         t, max_len = x.shape[1], cache["key"].shape[1]
         if t > max_len:
             raise ValueError(f"{self.path}: {t} new tokens do not fit a KV cache of {max_len} slots.")
-        kv_axes = QKV_AXES["kv"]
+        if t > 1:  # Prefill: slots 0 .. t-1.
+            def write(slots, update):
+                return jax.lax.dynamic_update_slice_in_dim(slots, update.astype(slots.dtype), 0, axis=1)
+        else:  # Step: one row per sequence, a scatter (in place inside a decode loop).
+            slot, rows = positions[:, 0], jnp.arange(x.shape[0])
+
+            def write(slots, update):
+                return slots.at[rows, slot].set(update[:, 0].astype(slots.dtype))
+
+        new = {
+            name: self._constrain(write(cache[name], update), QKV_AXES["kv"])
+            for name, update in (("key", k), ("value", v))
+        }
         if t > 1:
-            new = {
-                "key": jax.lax.dynamic_update_slice_in_dim(cache["key"], k.astype(cache["key"].dtype), 0, axis=1),
-                "value": jax.lax.dynamic_update_slice_in_dim(cache["value"], v.astype(cache["value"].dtype), 0, axis=1),
-            }
             out = self.attend(q, k, v, positions=positions)
         else:
-            slot = positions[:, 0]
-            rows = jnp.arange(x.shape[0])
-            new = {  # A scatter of one row per sequence (in place inside a decode loop).
-                "key": cache["key"].at[rows, slot].set(k[:, 0].astype(cache["key"].dtype)),
-                "value": cache["value"].at[rows, slot].set(v[:, 0].astype(cache["value"].dtype)),
-            }
             slots = jnp.arange(max_len)[None, :]
             visible = slots <= slot[:, None]
             window = self._config.sliding_window
@@ -219,10 +221,9 @@ class MultiheadAttention(BaseLayer):
                 visible = visible & (slot[:, None] - slots < window)
             kv_positions = jnp.broadcast_to(slots, (x.shape[0], max_len))
             out = self.attend(
-                q, self._constrain(new["key"], kv_axes), self._constrain(new["value"], kv_axes),
+                q, new["key"], new["value"],
                 positions=positions, kv_mask=visible, kv_positions=kv_positions, masked_by_positions=True,
             )
-        new = {name: self._constrain(value, kv_axes) for name, value in new.items()}
         return self.project_output(out), new
 
     def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
