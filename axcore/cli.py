@@ -19,8 +19,10 @@
 
 Only argparse (and the names of the built-in commands) is imported at module level,
 so `axcore --help` never imports JAX. Plugin commands (`axcore_register_commands`)
-are looked up, by building plugin managers, only when the first argument is not a
-built-in command. Bad input (an AxcoreError) prints one line and exits with status 2.
+are run by building plugin managers, only when the first argument is not a built-in
+command; `axcore --help` lists them without loading any plugin, read from the
+plugins' sources (`axcore.commands.listed_plugin_commands`). Bad input (an
+AxcoreError) prints one line and exits with status 2.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from axcore.commands import BUILTIN_COMMANDS
+from axcore.commands import BUILTIN_COMMANDS, listed_plugin_commands
 
 EXIT_USAGE = 2
+# After Ctrl-C (128 + SIGINT), as shells report it; axcore/trainer/interrupt.py's EXIT_INTERRUPTED.
+EXIT_INTERRUPTED = 130
 PLUGIN_COMMANDS_HELP = (
     "Installed plugins can add commands (hook axcore_register_commands); 'axcore plugins' lists them."
 )
@@ -42,6 +46,30 @@ PLUGIN_COMMANDS_HELP = (
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # One line, exit 2 (argparse prints usage too).
         self.exit(EXIT_USAGE, f"axcore: error: {message} (see '{self.prog} --help')\n")
+
+
+def plugin_commands_help() -> str:
+    """The `axcore --help` section on plugin commands: one line per command, then one per unreadable plugin."""
+    listing = listed_plugin_commands()
+    if listing.skipped:
+        return f"Plugin commands: not listed ({listing.skipped}). {PLUGIN_COMMANDS_HELP}"
+    lines = ["plugin commands (added by installed plugins; 'axcore NAME --help' for each):"]
+    width = max([len(c.name) for c in listing.commands] + [8])
+    for c in listing.commands:
+        lines.append(f"  {c.name.ljust(width)}  {c.help or '(no description)'} [plugin {c.plugin}, {c.distribution}]")
+    if not listing.commands:
+        lines.append("  (none installed)")
+    for plugin, why in sorted(listing.unreadable.items()):
+        lines.append(f"Plugin '{plugin}': its commands could not be listed ({why}); 'axcore plugins' loads it and tells more.")
+    return "\n".join([*lines, PLUGIN_COMMANDS_HELP])
+
+
+class _MainParser(_Parser):
+    """The `axcore` parser: its help ends with the installed plugins' commands, read only when help is shown."""
+
+    def format_help(self) -> str:
+        self.epilog = plugin_commands_help()
+        return super().format_help()
 
 
 def _one_line(error: BaseException) -> str:
@@ -87,7 +115,10 @@ def _overrides(args) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="axcore", description="Plugin-based large-model training on JAX.", epilog=PLUGIN_COMMANDS_HELP)
+    parser = _MainParser(
+        prog="axcore", description="Plugin-based large-model training on JAX.", epilog=PLUGIN_COMMANDS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     train = sub.add_parser("train", help="train a model from an experiment")
     _add_experiment(train, required=False)
@@ -163,6 +194,8 @@ def _add_eval(sub) -> None:
         "every target token counted once (see axcore/evaluation.py).",
     )
     eval_.add_argument("run", metavar="RUN_OR_CKPT", help="run directory, its checkpoints/ or one step's directory")
+    # More paths (a shell glob matching several runs): refused with one line naming them (`_one_run`).
+    eval_.add_argument("more_runs", nargs="*", help=argparse.SUPPRESS)
     eval_.add_argument(
         "--data", action="append", default=[], metavar="PATH",
         help="text, JSONL (.jsonl) or token (.bin) file tokenized with the run's tokenizer (repeatable); "
@@ -178,9 +211,33 @@ def _add_eval(sub) -> None:
     eval_.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
 
 
+def _one_run(args) -> str:
+    """The one run path of `eval` or `generate`; several (e.g. `runs/default-*`) are an AxcoreError naming them.
+
+    The error suggests the newest of them (latest modification time) as the one to name.
+    """
+    paths = [args.run, *args.more_runs]
+    if len(paths) == 1:
+        return args.run
+    from axcore.errors import AxcoreError
+
+    def modified(path: str) -> float:
+        try:
+            return os.stat(path).st_mtime
+        except OSError:
+            return float("-inf")
+
+    newest = max(paths, key=lambda p: (modified(p), p))
+    raise AxcoreError(
+        f"{len(paths)} run directories given ({', '.join(paths)}); axcore {args.command} reads one: name one, "
+        f"e.g. the newest: {newest}"
+    )
+
+
 def _cmd_eval(args) -> int:
     from axcore.evaluation import evaluate_run, print_result
 
+    args.run = _one_run(args)
     result = evaluate_run(
         args.run, data=args.data, split=args.split, batch_size=args.batch_size, seq_len=args.seq_len,
         max_batches=args.max_batches, step=args.step, overrides=args.overrides, objects=args.objects,
@@ -192,6 +249,7 @@ def _cmd_eval(args) -> int:
 def _cmd_generate(args) -> int:
     from axcore import generate_command
 
+    args.run = _one_run(args)
     return generate_command.run(args)
 
 
@@ -208,10 +266,23 @@ def _cmd_train(args) -> int:
     )
     if os.environ.get(experiment.flags_variable):
         print(f"{experiment.flags_variable}: {os.environ[experiment.flags_variable]}", file=sys.stderr)
-    result = Trainer(experiment).run()
+    result = Trainer(experiment, command=_train_command(args)).run()
     eval_text = f", held-out loss {result.eval_loss:.3f}" if result.eval_loss is not None else ""
     print(f"Finished step {result.step}{eval_text}; run directory: {result.run_dir}", file=sys.stderr)
     return 0
+
+
+def _train_command(args) -> list[str]:
+    """The `axcore train` command as given (experiment, `--set`, `--mesh-selector`, multi-process flags),
+    for the line that says how to resume an interrupted run."""
+    words = ["axcore", "train", *([args.experiment] if args.experiment else [])]
+    words += [w for override in args.overrides for w in ("--set", override)]
+    if args.mesh_selector:
+        words += ["--mesh-selector", args.mesh_selector]
+    for flag, value in (("--coordinator", args.coordinator), ("--num-processes", args.num_processes),
+                        ("--process-id", args.process_id)):
+        words += [flag, str(value)] if value is not None else []
+    return words
 
 
 def _cmd_config(args) -> int:
@@ -379,9 +450,12 @@ def main(argv: Sequence[str] | None = None, *, objects: Mapping[str, Any] | None
         for problem in getattr(e, "problems", None) or [e]:  # ConfigValidationError: one line per problem.
             print(f"axcore: error: {_one_line(problem)}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("axcore: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Exit 130, the SIGINT convention; `axcore train` says how to resume.
+        # A RunInterrupted (its line names the resume command) exists only if its module was imported.
+        interrupt = sys.modules.get("axcore.trainer.interrupt")
+        resumable = interrupt is not None and isinstance(e, interrupt.RunInterrupted) and str(e)
+        print(str(e) if resumable else "axcore: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

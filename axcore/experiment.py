@@ -54,7 +54,7 @@ import yaml
 
 from axcore import __version__
 
-from axcore.config import REQUIRED, ConfigBase, ConfigValidationError, InstantiableConfig, Matches, dump_flat, from_dict, parse_override
+from axcore.config import REQUIRED, ConfigBase, InstantiableConfig, Matches, dump_flat, from_dict, parse_override, raise_collected
 from axcore.config.safe_yaml import read_file as read_yaml_file
 from axcore.config.serialize import flatten, format_value, nest_path, safe_load, to_dict
 from axcore.data import ByteTokenizer, InputConfig, Tokenizer
@@ -86,7 +86,7 @@ from axcore.registry import Registration, Registry
 from axcore.trainer.config import TrainerConfig, check_trainer_config
 from axcore.trainer.learner import check_component
 from axcore.distributed import DistributedSettings, initialize_distributed
-from axcore.validation import validate_experiment
+from axcore.validation import check_sizes, validate_experiment
 from axcore.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
 
 logger = logging.getLogger(__name__)
@@ -449,16 +449,19 @@ def load_experiment(
     plugin_names = [PluginRequest.parse(p).name for p in plugins]
     fields = ExperimentConfig().keys()
     settings_raw: dict[str, Any] = {}
+    # Every bad key of the file and of the overrides is reported, in one pass (`from_dict`'s `errors`).
+    errors: list[ConfigError] = []
     for key in [k for k in raw if k not in fields]:
         if key not in plugin_names:
             hint = did_you_mean(str(key), fields + plugin_names)
-            raise UnknownFieldError(
+            errors.append(UnknownFieldError(
                 f"{label}: unknown top-level key '{key}'{hint}; expected one of {', '.join(fields)} "
                 f"or the name of a plugin listed in 'plugins'."
-            )
-        settings_raw[key] = raw.pop(key)
-    config = from_dict(raw, manager.registries, ExperimentConfig())
-    override_errors: list[ConfigError] = []
+            ))
+            del raw[key]
+        else:
+            settings_raw[key] = raw.pop(key)
+    config = from_dict(raw, manager.registries, ExperimentConfig(), errors=errors)
     for path, value in parsed:
         head = path.split(".", 1)[0].split("[", 1)[0]
         if path == "plugins":
@@ -467,14 +470,16 @@ def load_experiment(
             _deep_merge(settings_raw, nest_path(path, value))
         else:
             try:
-                config = from_dict(nest_path(path, value), manager.registries, config)
-            except ConfigError as e:  # Every bad override is reported, not just the first.
-                override_errors.append(e)
-    if len(override_errors) == 1:
-        raise override_errors[0]
-    if override_errors:
-        raise ConfigValidationError([" ".join(str(e).split()) for e in override_errors])
-    settings = manager.settings(settings_raw)
+                config = from_dict(nest_path(path, value), manager.registries, config, errors=errors)
+            except ConfigError as e:  # E.g. a malformed path.
+                errors.append(e)
+    try:
+        settings = manager.settings(settings_raw)
+    except ConfigError as e:  # The first bad key of plugins' settings, with those above.
+        errors.append(e)
+    raise_collected(errors)
+    # Before the transforms: they may build in proportion to a size (one config per layer).
+    check_sizes(config, settings)
     if resolved is None:
         config = manager.transform_config(config, settings)
     elif config.mesh.instance_type is None:

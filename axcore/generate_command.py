@@ -23,6 +23,8 @@ class GenerateError(AxcoreError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's arguments (`axcore generate --help`)."""
     parser.add_argument("run", metavar="RUN_OR_CKPT", help="run directory, its checkpoints/ or one step's directory")
+    # More paths (a shell glob matching several runs): refused by the CLI with one line naming them.
+    parser.add_argument("more_runs", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="text to continue (repeatable: one batch)")
     parser.add_argument("--prompt-file", metavar="FILE", help="one prompt per line (added to --prompt)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens per prompt (default 64)")

@@ -13,18 +13,20 @@ directory, its `checkpoints/` directory, or one step's directory inside it (`200
 for orbax, `step_00000200/` for tensorstore), which also picks the step.
 
 Restoring goes through the Trainer's own pieces, not a copy of them: the abstract
-train state and its shardings (`Trainer.abstract_state`, on the experiment's mesh),
-the configured backend (`make_checkpoint_backend`) and `restore_verified` (checksums
-checked; with no step given, a step that fails verification falls back to the newest
-one that verifies, reported through `report`). The backends restore whole trees
-only, so a train state checkpoint is restored with its optimizer state, which is then
-dropped; a checkpoint that holds only `{"params": ...}` (see `save_model`, or an
-importer's output) is restored as such.
+parameters and their shardings (`Trainer.abstract_state()["params"]`, on the
+experiment's mesh), the configured backend (`make_checkpoint_backend`) and
+`restore_verified` (checksums checked; with no step given, a step that fails
+verification falls back to the newest one that verifies, reported through `report`).
+Only the parameters are read, as a partial restore of `{"params": ...}`: from a train
+state checkpoint the optimizer state is never read (nor held in memory), and a
+parameters-only checkpoint (see `save_model`, or an importer's output) restores the
+same way.
 
 `save_model` writes the other direction: an experiment and a parameter tree as a run
-directory (config.yaml plus a committed step holding a full train state with a fresh
-optimizer state), so a converted model can be evaluated, sampled, or fine-tuned by
-resuming it with `axcore train RUN/config.yaml --set trainer.run_dir=RUN`.
+directory (config.yaml plus a committed parameters-only step, see
+`axcore.trainer.resume`), so a converted model can be evaluated, sampled, or
+fine-tuned by resuming it with `axcore train RUN/config.yaml --set trainer.run_dir=RUN`
+(which initializes the optimizer state on that first resume).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from axcore.checkpoint import CheckpointError, CheckpointMismatchError, Checkpoi
 from axcore.errors import AxcoreError
 from axcore.experiment import Experiment, load_experiment
 from axcore.trainer.config import make_checkpoint_backend
+from axcore.trainer.resume import params_only_metadata
 from axcore.trainer.trainer import Trainer
 
 # Names of a run directory's parts (what the Trainer writes).
@@ -118,10 +121,6 @@ def load_run_experiment(path: str | os.PathLike, overrides: Sequence[str] = (), 
     return experiment, location
 
 
-def _params_only(abstract_params: Any) -> dict:
-    return {"params": abstract_params}
-
-
 def load_model(
     path: str | os.PathLike,
     *,
@@ -180,9 +179,9 @@ def load_model_and_trainer(
         if not backend.all_steps():
             raise RunLoadError(f"No committed checkpoint in {checkpoints} ({where}); wait for or rerun the training "
                                f"(a step without its commit marker is an interrupted save).")
-        full = trainer.abstract_state()
+        target = {"params": trainer.abstract_state()["params"]}  # ShapeDtypeStructs: nothing allocated.
         try:
-            state, restored = _restore(backend, full, _params_only(full["params"]), step, report)
+            state, _, restored = restore_verified(backend, target, step, report=report, partial=True)
         except CheckpointNotFoundError as e:
             raise RunLoadError(f"{e} ({where}); pass one of the committed steps or omit the step.") from None
         except CheckpointError as e:
@@ -192,29 +191,6 @@ def load_model_and_trainer(
     finally:
         backend.close()
     return LoadedModel(experiment, trainer.model, state["params"], int(restored), location.run_dir), trainer
-
-
-def _restore(backend: Any, full: Any, params_only: Any, step: int | None, report: Callable[[str], None]) -> tuple[Any, int]:
-    """`(state, step)`: the full train state `full` restored, else a parameters-only checkpoint `params_only`.
-
-    Lines for `report` (steps skipped by `restore_verified`) are held back until one
-    target restores, so trying the first target on a parameters-only checkpoint
-    reports nothing; if neither restores, the full state's error is raised.
-    """
-    held: list[str] = []
-    try:
-        state, _, restored = restore_verified(backend, full, step, report=held.append)
-    except CheckpointError as full_error:
-        if not (isinstance(full_error, CheckpointMismatchError) or "another model" in full_error.reason):
-            raise
-        held = []
-        try:
-            state, _, restored = restore_verified(backend, params_only, step, report=held.append)
-        except CheckpointError:
-            raise full_error from None
-    for line in held:
-        report(line)
-    return state, restored
 
 
 def _mismatch(error: CheckpointError, run_dir: pathlib.Path) -> RunLoadError:
@@ -230,10 +206,12 @@ def save_model(
     """Writes `params` of `experiment`'s model as a run directory that `load_model` and `axcore train` read.
 
     Writes `config.yaml`/`config.txt` (`Experiment.save`) and commits checkpoint `step`
-    through the experiment's backend, holding a full train state: `params` (cast to
-    the model's parameter dtypes and placed on the experiment's mesh), a fresh
-    optimizer state, the step and the PRNG key of `seed` (default
-    `trainer.seed`), with the input position at the start of the data.
+    through the experiment's backend, holding `{"params": params}` only (cast to the
+    model's parameter dtypes and placed on the experiment's mesh) and the metadata of
+    a parameters-only checkpoint (`axcore.trainer.resume.params_only_metadata`: the
+    step, `seed` (default `trainer.seed`) for the PRNG key, and the input position at
+    the start of the data). No optimizer state is written: training initializes it
+    when it first resumes from this step.
 
     Raises:
         RunLoadError: `run_dir` already holds checkpoints, or `params` does not fit the
@@ -247,17 +225,11 @@ def save_model(
     abstract = trainer.abstract_state()
     _check_params(params, abstract["params"], run_dir)
     params = jax.tree.map(lambda x, a: jax.device_put(jnp.asarray(x, a.dtype), a.sharding), params, abstract["params"])
-    key = jax.random.key_data(jax.random.key(experiment.config.trainer.seed if seed is None else seed))
-    state = {
-        "params": params,
-        "opt_state": jax.jit(trainer.optimizer.init, out_shardings=trainer.state_shardings["opt_state"])(params),
-        "step": jax.device_put(jnp.asarray(step, jnp.int32), trainer.state_shardings["step"]),
-        "prng_key": jax.device_put(key, trainer.state_shardings["prng_key"]),
-    }
+    metadata = params_only_metadata(step, experiment.config.trainer.seed if seed is None else seed)
     experiment.save(run_dir)
     backend = make_checkpoint_backend(experiment.config.trainer.checkpoint, experiment.registries, checkpoints)
     try:
-        backend.save(step, state, {"input": {"epoch": 0, "position": 0}, "step": step})
+        backend.save(step, {"params": params}, metadata)
         backend.wait()
     finally:
         backend.close()

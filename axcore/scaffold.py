@@ -5,12 +5,16 @@ The package (directory `axcore-NAME` unless given) holds a `pyproject.toml` with
 with the hook implementations of its kind, a README, and tests that run axcore's
 conformance suites and fixtures (`axcore.testing`). Kinds:
 
-- feature: settings and a config transform (soft-capped attention logits);
+- feature: settings and a config transform (a working example to replace: a sliding
+  attention window on every attention layer);
 - hardware: a mesh rule and XLA flags for `NAME-N` instance types;
 - kernel: an `attention` kernel, forced by name (`kernel: NAME` on an attention layer);
 - checkpoint: a checkpoint backend, `trainer.checkpoint.backend: NAME`.
 
-Freshly generated, `pip install -e DIR` and `pytest DIR` pass as they are.
+Freshly generated, `pip install -e DIR` and `pytest DIR` pass as they are. Nothing in
+the package says what the plugin is for: its one-line description (in
+`pyproject.toml`, the README and the package docstring) is a TODO built from the
+name, which the README tells the author to fill.
 """
 
 from __future__ import annotations
@@ -63,8 +67,11 @@ README = """\
 
 $summary
 
-An [axcore](https://github.com/) plugin of kind `$kind`. Install it next to axcore
-and list it in an experiment:
+TODO: replace the line above with what the plugin does, in one line (it is also the
+`description` in `pyproject.toml` and the docstring of `$package/__init__.py`).
+
+An axcore plugin of kind `$kind`. Install it next to axcore and list it in an
+experiment:
 
 ```bash
 pip install -e .
@@ -84,15 +91,18 @@ INIT = '''\
 
 PLUGINS = {
     "feature": (
-        "Caps attention logits (soft-capping) in every attention layer.",
-        "printf 'plugins: [$name]\\n$name: {softcap: 30.0}\\n' > exp.yaml && axcore train exp.yaml",
+        "$Title: an axcore feature plugin (TODO: say what it does, in one line).",
+        "printf 'plugins: [$name]\\n$name: {window: 16}\\n' > exp.yaml && axcore train exp.yaml",
         '''\
-"""The `$name` plugin: soft-caps the attention logits of every attention layer.
+"""The `$name` plugin. TODO: say what it does.
 
-Settings (`$name:` in an experiment file) are the fields of `Settings`:
+The code below is a working example to replace: a setting, and a config transform
+that puts it into every attention layer (here, a sliding attention window of
+`window` tokens). Settings (`$name:` in an experiment file) are the fields of
+`Settings`:
 
     plugins: [$name]
-    $name: {softcap: 30.0}
+    $name: {window: 16}
 """
 
 from __future__ import annotations
@@ -107,8 +117,8 @@ from axcore.layers import MultiheadAttention
 class Settings(ConfigBase):
     """Settings of the $name plugin (the experiment's `$name:` section)."""
 
-    # Logit soft-cap c: logits = c * tanh(logits / c).
-    softcap: Annotated[float, Positive] = 30.0
+    # Example setting: tokens each query attends to (itself and the ones before it).
+    window: Annotated[int, Positive] = 16
 
 
 @hookimpl
@@ -119,8 +129,8 @@ def axcore_settings_config():
 
 @hookimpl
 def axcore_transform_config(config, settings):
-    """Sets `softcap` on every attention layer; applying it twice gives the same config."""
-    return replace(config, MultiheadAttention, lambda _path, attention: attention.set(softcap=settings.softcap))
+    """Sets `sliding_window` on every attention layer; applying it twice gives the same config."""
+    return replace(config, MultiheadAttention, lambda _path, attention: attention.set(sliding_window=settings.window))
 ''',
         '''\
 """The $name plugin against axcore's config-transform suite, and a few training steps."""
@@ -136,9 +146,9 @@ class TestTransform(ConfigTransformConformance):
 
 
 def test_settings_reach_every_attention_layer(axcore_tiny_experiment):
-    experiment = axcore_tiny_experiment(["$name.softcap=5.0"])
+    experiment = axcore_tiny_experiment(["$name.window=5"])
     layers = find(experiment.config, MultiheadAttention)
-    assert layers and all(attention.softcap == 5.0 for _, attention in layers)
+    assert layers and all(attention.sliding_window == 5 for _, attention in layers)
 
 
 def test_trains(axcore_tiny_experiment, axcore_train_steps):
@@ -370,6 +380,7 @@ def new_plugin(name: str, kind: str = "feature", directory: str | os.PathLike | 
         "kind": kind,
         "package": f"axcore_{name}",
         "Class": "".join(part.capitalize() for part in name.split("_")),
+        "Title": name.replace("_", " ").capitalize(),
     }
     fields["summary"] = string.Template(summary).substitute(fields)
     fields["usage"] = string.Template(usage).substitute(fields)

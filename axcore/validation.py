@@ -5,22 +5,50 @@ range (`axcore.config.constraints`), every plugin's settings, the checks across
 sections (a position table as long as a sequence, microbatches dividing the batch,
 a tokenizer that fits the vocabulary), safe names and run directories, the
 components the registries must know, and finally a dry build of the model (its
-parameter shapes, nothing allocated). Every problem found is one line naming its
-config path; `ConfigValidationError.problems` holds them all.
+parameter shapes, nothing allocated) whose parameter bytes must fit the int64 range.
+Every problem found is one line naming its config path;
+`ConfigValidationError.problems` holds them all.
+
+Sizes come first: `check_sizes` runs before the plugins' config transforms, so no
+code sees a size past its declared bound (`axcore.config.Size`); everything that
+is built in proportion to a size (configs per layer, the module tree, parameter
+shapes) is built only after that.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from axcore.config import ConfigBase, ConfigValidationError, InstantiableConfig, config_problems, walk
+import jax
+import numpy as np
+
+from axcore.config import ConfigBase, ConfigValidationError, InstantiableConfig, config_problems, size_problems, walk
 from axcore.errors import AxcoreError, did_you_mean
+from axcore.params import ParameterSpec
 
 # Directories a run directory may never be put under (kernel interfaces, not storage).
 _FORBIDDEN_ROOTS = ("/proc", "/sys", "/dev")
+
+
+# The largest byte count NumPy, JAX and XLA can hold (int64).
+_MAX_BYTES = 2**63 - 1
+
+
+def check_sizes(config: ConfigBase, settings: Mapping[str, ConfigBase | None]) -> None:
+    """Raises ConfigValidationError if a size of the experiment or of a plugin's settings is out of bounds.
+
+    What must hold before any code builds in proportion to a value (the plugins' config
+    transforms): the `Size` bounds and the int64 range (`axcore.config.size_problems`).
+    If one fails, the error lists every field problem of the untransformed tree
+    (`config_problems`, no allocation), so the other bad values are not left for later.
+    """
+    trees = [(config, "")] + [(s, name) for name, s in settings.items() if s is not None]
+    if any(size_problems(tree, path) for tree, path in trees):
+        raise ConfigValidationError([p for tree, path in trees for p in config_problems(tree, path)])
 
 
 def _one_line(error: BaseException) -> str:
@@ -119,8 +147,9 @@ def _tokenizer_problem(config: Any) -> str | None:
     return None
 
 
-def _dry_build(config: Any, registries: Any) -> None:
-    """Builds the model and its parameter shapes (nothing allocated, JAX's backend not started).
+def _dry_build(config: Any, registries: Any) -> str | None:
+    """Builds the model and its parameter shapes (nothing allocated, JAX's backend not started);
+    returns why its parameters cannot be held (`_parameter_bytes_problem`), or None.
 
     The op environment names the experiment's platform (from its instance type), so
     kernels asked about the problems of parameters (e.g. a kernel's state) answer for it.
@@ -130,7 +159,30 @@ def _dry_build(config: Any, registries: Any) -> None:
     instance_type = config.mesh.instance_type
     platform = instance_type.split("-", 1)[0] if instance_type else None
     with op_environment(None, config.mesh.axis_rules, platform=platform, instance_type=instance_type, stand_in=False):
-        config.model.instantiate(name="model", registries=registries).parameter_specs()
+        specs = config.model.instantiate(name="model", registries=registries).parameter_specs()
+    return _parameter_bytes_problem(specs)
+
+
+def _parameter_bytes_problem(specs: Any) -> str | None:
+    """Why the parameters of `specs` (shapes and dtypes) cannot be held at all, or None.
+
+    Counted in Python ints, which never overflow: every array's bytes and their sum must
+    fit the int64 range. Whether they fit this machine is the trainer's memory check
+    (`axcore.trainer.memory_check`); `axcore config` and `axcore compile` may describe a
+    model for a larger one.
+    """
+    total, largest = 0, (0, "")
+    for key_path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParameterSpec))[0]:
+        size = math.prod(int(dim) for dim in spec.shape) * np.dtype(spec.dtype).itemsize
+        total += size
+        largest = max(largest, (size, jax.tree_util.keystr(key_path, simple=True, separator=".")))
+    if total <= _MAX_BYTES:
+        return None
+    return (
+        f"'model': its parameters need {total} bytes (the largest parameter, '{largest[1]}', {largest[0]}), more than the "
+        f"int64 range ({_MAX_BYTES}) can count; lower model.dim, model.num_layers, model.vocab_size or the "
+        f"widths of its layers."
+    )
 
 
 def validate_experiment(
@@ -169,7 +221,9 @@ def validate_experiment(
             problem = _tokenizer_problem(config)
             if problem:
                 problems.append(problem)
-            _dry_build(config, registries)
+            problem = _dry_build(config, registries)
+            if problem:
+                problems.append(problem)
         except ConfigValidationError as e:
             problems += e.problems
         except AxcoreError as e:

@@ -21,7 +21,7 @@ The restart runs `axcore train` through a small wrapper (`--child`) that prints
 `[recovery-mark] <name> <unix time>` lines: `exec` (interpreter up, before any
 import), `imported` (axcore.cli imported), `jax_imported`, `trainer_ready` (experiment loaded and
 `Trainer` constructed: `Trainer.run` entered), `restore_start` / `restore_end`
-(around `restore_verified`, which the trainer calls), and each JAX compile event
+(around `axcore.trainer.resume.restore_train_state`, which the trainer calls), and each JAX compile event
 (`jax.monitoring` durations). Phases:
 
 - compile = the union of the JAX compile events' wall intervals (trace, lower, backend
@@ -125,21 +125,19 @@ def child_main(argv: list[str]) -> int:
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
 
-    import axcore.checkpoint.base as base
+    import axcore.trainer.resume as resume
     import axcore.trainer.trainer as trainer_module
 
-    original_restore = base.restore_verified
+    original_restore = resume.restore_train_state
 
-    def restore_verified(*args: Any, **kwargs: Any):
+    def restore_train_state(*args: Any, **kwargs: Any):
         _mark("restore_start")
         try:
             return original_restore(*args, **kwargs)
         finally:
             _mark("restore_end")
 
-    base.restore_verified = restore_verified  # The trainer imports it from here when it resumes.
-    if hasattr(trainer_module, "restore_verified"):
-        trainer_module.restore_verified = restore_verified
+    resume.restore_train_state = restore_train_state  # The trainer imports it from here when it resumes.
     original_run = trainer_module.Trainer.run
 
     def run(self):

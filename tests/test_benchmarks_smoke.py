@@ -17,8 +17,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MACHINE_KEYS = {"cpu_model", "cores", "python", "jax_version", "backend", "device_kind", "device_count"}
 BENCHMARKS = [
-    "step_time", "utilization", "memory", "compile_time", "startup", "checkpoint_io", "dispatch_overlap", "recovery_latency",
-    "decode_speed",
+    "step_time", "utilization", "memory", "compile_time", "startup", "checkpoint_io", "checkpoint_blocking",
+    "dispatch_overlap", "recovery_latency", "decode_speed",
 ]
 
 pytestmark = pytest.mark.slow
@@ -111,6 +111,18 @@ def test_checkpoint_io_covers_both_backends(results):
     assert set(data["targets"]) == {f"{b}/{t}" for b in backends for t in kinds}
 
 
+def test_checkpoint_blocking_times_three_contenders(results):
+    data = _load(results, "checkpoint_blocking")
+    contenders = ("orbax_raw", "orbax_arrays_only", "orbax", "tensorstore")
+    assert set(data["results"]) == set(contenders) and data["setup"]["leaves"] == 55
+    for name in contenders:
+        entry = data["results"][name]
+        assert _is_summary(entry["blocking_s"]) and _is_summary(entry["committed_s"]), name
+        assert entry["blocking_s"]["median"] <= entry["committed_s"]["median"], name  # save() is part of the save.
+    assert set(data["targets"]) == {"orbax/blocking_vs_orbax_raw", "tensorstore/blocking_vs_orbax_raw", "restored_state_verifies"}
+    assert data["targets"]["restored_state_verifies"]["met"]
+
+
 def test_recovery_latency_smoke_splits_each_recovery(results):
     data = _load(results, "recovery_latency")
     assert set(data["results"]) == {"tensorstore/warm"}
@@ -122,3 +134,19 @@ def test_recovery_latency_smoke_splits_each_recovery(results):
             assert min(parts) > 0, (name, s)
             assert s["restored_step"] >= 5 and s["restored_step"] % 5 == 0, (name, s)
     assert all(_is_summary(e["total_s"]) for e in data["results"].values())
+
+
+def test_generate_load_smoke_imports_parameters_only(tmp_path):
+    """benchmarks/generate_load.py (run on its own, not by benchmarks.run): import + generate, this checkout."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.generate_load", "--smoke", "--results-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = _load(tmp_path, "generate_load")
+    after = data["contenders"]["after"]
+    assert pathlib.Path(after["axcore"]).is_relative_to(ROOT) and pathlib.Path(after["axcore_hf"]).is_relative_to(ROOT)
+    # Parameters only: about one float32 copy of the weights on disk (Adam's moments would triple it).
+    assert 4 * data["parameters"] <= after["checkpoint_bytes"] < 1.2 * 4 * data["parameters"]
+    assert 0 < after["restore_s"]["median"] < after["load_s"]["median"] < after["wall_s"]["median"]
+    assert after["completion"].startswith("w1 w2 w3 w4 w5 w6 w7 w8") and after["max_rss_bytes"]["median"] > 0

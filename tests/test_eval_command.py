@@ -3,6 +3,7 @@ target token once (partial last row and padded last batch included); bad argumen
 
 import json
 import math
+import os
 
 import jax
 import numpy as np
@@ -118,3 +119,16 @@ def test_bad_arguments_exit_2_with_one_line(run, args, message, capsys):
 def test_not_a_run_exits_2(tmp_path, capsys):
     assert main(["eval", str(tmp_path)]) == 2
     assert "holds no config.yaml" in capsys.readouterr().err
+
+
+def test_several_runs_are_one_line_naming_them(tmp_path, capsys):
+    """As for `axcore generate`: a glob matching three runs is one line and exit 2, the newest suggested."""
+    runs = [tmp_path / name for name in ("a", "b", "c")]
+    for i, path in enumerate(runs):
+        path.mkdir()
+        os.utime(path, (1_000_000 * (3 - i), 1_000_000 * (3 - i)))  # a is the newest.
+    assert main(["eval", *map(str, runs), "--max-batches", "1"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("axcore: error: 3 run directories given (")
+    assert f"({runs[0]}, {runs[1]}, {runs[2]}); axcore eval reads one" in err[0]
+    assert err[0].endswith(f"e.g. the newest: {runs[0]}")

@@ -3,6 +3,7 @@ independent argmax loop over full forwards of the restored model; bad arguments 
 with one line."""
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -60,3 +61,17 @@ def test_bad_arguments_exit_2_with_one_line(run, capsys, extra, message):
     assert main(["generate", str(run), *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("axcore: error:") and message in err[0], err
+
+
+def test_several_runs_from_a_glob_are_one_line_naming_them_and_the_newest(tmp_path, capsys):
+    """`axcore generate runs/default-*` matching two runs: one line, exit 2, not argparse's 'unrecognized arguments'."""
+    older, newer = tmp_path / "default-20260101-000000", tmp_path / "default-20250101-000000"
+    for path, mtime in ((older, 1_000_000), (newer, 2_000_000)):  # The newest by time, not by name.
+        path.mkdir()
+        os.utime(path, (mtime, mtime))
+    assert main(["generate", str(older), str(newer), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"axcore: error: 2 run directories given ({older}, {newer}); axcore generate reads one: name one, "
+        f"e.g. the newest: {newer}"
+    ]

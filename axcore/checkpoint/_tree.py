@@ -111,10 +111,19 @@ def abstract_target(target: PyTree) -> PyTree:
     return jax.tree.map(one, target)
 
 
-def check_matches(saved: Sequence[dict], target: PyTree, where: str) -> None:
-    """Raises CheckpointMismatchError listing every path that differs from the checkpoint."""
+def check_matches(saved: Sequence[dict], target: PyTree, where: str, *, partial: bool = False) -> None:
+    """Raises CheckpointMismatchError listing every path that differs from the checkpoint.
+
+    With `partial`, the target may leave out top-level entries of the saved tree (e.g.
+    `{"params": ...}` of a saved `{"params", "opt_state", "step", "prng_key"}`); the
+    entries it names must match the saved ones exactly, so a checkpoint parameter the
+    target lacks is still a mismatch.
+    """
     want = {e["path"]: e for e in index_of(target)}
     have = {e["path"]: e for e in saved}
+    if partial:
+        tops = {jax.tree_util.keystr(path[:1]) for path, _ in jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_empty)[0]}
+        have = {p: e for p, e in have.items() if any(_under(p, top) for top in tops)}
     missing = [p for p in want if p not in have]
     extra = [p for p in have if p not in want]
     differ = [
@@ -138,6 +147,11 @@ def check_matches(saved: Sequence[dict], target: PyTree, where: str) -> None:
         "checkpoint directory.",
         reason=f"a checkpoint of another model: {first}",
     )
+
+
+def _under(path: str, top: str) -> bool:
+    """Whether the keystr `path` is `top` or lies inside it (`['params']` holds `['params']['w']`, not `['params2']`)."""
+    return path == top or (path.startswith(top) and path[len(top)] in "[.")
 
 
 def _describe(entry: dict) -> str:

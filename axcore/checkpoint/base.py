@@ -19,6 +19,7 @@ cheap.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -53,6 +54,13 @@ class CheckpointBackend(Protocol):
 
     Factories registered through `axcore_register_checkpoint_backends` are called as
     `factory(directory, *, keep_last_n=3, async_save=True)` and return one of these.
+
+    Optional, used by `restore_verified` where present: `incomplete_steps() -> list[int]`
+    (step directories without a commit marker) and `set_aside(step) -> str` (renames a
+    committed step that failed verification to a name that is no step, within the
+    directory, so it is no longer listed, restored or pruned and can be saved again;
+    returns the new path; with several processes every process calls it; raises
+    CheckpointError if it cannot).
     """
 
     def save(self, step: int, state: PyTree, metadata: dict) -> None:
@@ -77,7 +85,7 @@ class CheckpointBackend(Protocol):
     def all_steps(self) -> list[int]:
         """All committed steps, ascending."""
 
-    def restore(self, target: PyTree, step: int | None = None) -> tuple[PyTree, dict]:
+    def restore(self, target: PyTree, step: int | None = None, *, partial: bool = False) -> tuple[PyTree, dict]:
         """Reads `step` (default: the latest committed) into the target's shardings.
 
         Only committed steps count: call `wait()` first to include a pending save.
@@ -86,6 +94,13 @@ class CheckpointBackend(Protocol):
             target: the state's tree with `jax.ShapeDtypeStruct` leaves (shape, dtype
                 and `.sharding`); arrays are accepted too.
             step: the step to read; None for the latest committed one.
+            partial: the target may leave out top-level entries of the saved tree,
+                e.g. `{"params": ...}` of a saved train state: only the target's
+                leaves are read (the others are never read, so neither their data
+                nor their checksums are checked) and verified. Each entry the
+                target names must match the saved one exactly. `restore_verified`
+                passes the keyword only when True, so a backend written before it
+                still serves full restores.
 
         Returns:
             `(state, metadata)`: state has the target's structure, each leaf placed
@@ -93,8 +108,9 @@ class CheckpointBackend(Protocol):
 
         Raises:
             CheckpointNotFoundError: no committed step (or not `step`) in the directory.
-            CheckpointMismatchError: tree paths, shapes or dtypes differ; the message
-                lists every offending path.
+            CheckpointMismatchError: tree paths, shapes or dtypes differ (with
+                `partial`: within the entries the target names); the message lists
+                every offending path.
             CheckpointError: a file is missing, unreadable or fails its checksum (one
                 line naming the step and the file or parameter path).
         """
@@ -108,14 +124,29 @@ def restore_verified(
     target: PyTree,
     step: int | None = None,
     report: Callable[[str], None] = print,
+    *,
+    partial: bool = False,
+    set_aside: bool = False,
 ) -> tuple[PyTree, dict, int]:
     """Restores `step`, or else the latest committed step that verifies.
+
+    `partial=True` restores only the target's entries (`CheckpointBackend.restore`).
 
     With `step` given, restores exactly that step or raises its CheckpointError. With
     None, tries committed steps newest first; each one that fails verification, cannot
     be read or does not match the target is reported through `report` in one line
     naming the next step tried. Steps without a commit marker (interrupted saves)
     newer than the restored one are reported too.
+
+    With `set_aside=True` (the trainer, which owns the directory and will save into
+    it; never a reader such as evaluation) and a backend that has `set_aside(step)`,
+    every newer step that failed verification (not one that merely belongs to
+    another model) is moved aside once an older step has restored, and its line
+    says where to (`...; moved it aside to checkpoints/60.corrupt-...; restoring step
+    55.`): the step is kept for inspection, no longer listed, and saved afresh when
+    training reaches it again. Nothing moves when no step verifies, so a run never
+    silently starts over. With several processes all of them must call this alike
+    (the backends' `set_aside` is collective).
 
     Returns:
         `(state, metadata, step)`.
@@ -124,34 +155,55 @@ def restore_verified(
         CheckpointNotFoundError: no committed step (or not `step`).
         CheckpointError: `step` fails, or no committed step verifies.
     """
+    options = {"partial": True} if partial else {}  # A backend without partial restore keeps working.
     if step is not None:
-        state, metadata = backend.restore(target, step)
+        state, metadata = backend.restore(target, step, **options)
         return state, metadata, step
     steps = list(backend.all_steps())
     if not steps:
-        state, metadata = backend.restore(target)  # Raises CheckpointNotFoundError.
+        state, metadata = backend.restore(target, **options)  # Raises CheckpointNotFoundError.
         return state, metadata, backend.latest_step()
     incomplete = getattr(backend, "incomplete_steps", lambda: [])()
     for s in sorted((s for s in incomplete if s > steps[-1]), reverse=True):
         report(f"Ignoring checkpoint step {s}: it has no commit marker (an interrupted save).")
     failures: list[str] = []
-    for i, s in enumerate(reversed(steps)):
+    failed: list[tuple[int, CheckpointError]] = []  # Reported once the outcome is known.
+    for s in reversed(steps):
         try:
-            state, metadata = backend.restore(target, s)
+            state, metadata = backend.restore(target, s, **options)
         except CheckpointNotFoundError:
             raise
         except CheckpointError as e:
             failures.append(f"step {s}: {e.reason}")
-            if i + 1 < len(steps):
-                report(f"Checkpoint step {s} failed verification ({_short(e.reason)}); restoring step {steps[-2 - i]}.")
+            failed.append((s, e))
             continue
+        for (bad, e), following in zip(failed, [f for f, _ in failed[1:]] + [s]):
+            moved = _move_aside(backend, bad, e) if set_aside else ""
+            why = _short(e.reason)
+            report(f"Checkpoint step {bad} failed verification ({why}); {moved}restoring step {following}.")
         return state, metadata, s
+    for (bad, e), following in zip(failed, [f for f, _ in failed[1:]]):
+        report(f"Checkpoint step {bad} failed verification ({_short(e.reason)}); restoring step {following}.")
     raise CheckpointError(
         f"No committed checkpoint in {getattr(backend, 'directory', 'the directory')} verifies ({_short(failures[0])}"
         + (f"; and {len(failures) - 1} older step(s) failed too" if len(failures) > 1 else "")
         + "); set trainer.checkpoint.restore_step=N to see one step's error, or start from a fresh directory.",
         reason=failures[0],
     )
+
+
+def _move_aside(backend: CheckpointBackend, step: int, error: CheckpointError) -> str:
+    """Moves a step that failed verification aside; the words for its report line."""
+    move = getattr(backend, "set_aside", None)
+    if move is None or isinstance(error, CheckpointMismatchError):
+        return ""  # Another model's checkpoint is not damaged: left as it is.
+    try:
+        path = move(step)
+    except CheckpointError as e:
+        return f"could not move it aside ({_short(e.reason, 120)}); "
+    directory = getattr(backend, "directory", None)
+    shown = os.path.relpath(path, os.path.dirname(directory)) if directory else path
+    return f"moved it aside to {shown}; "
 
 
 def _short(text: str, limit: int = 200) -> str:

@@ -1,18 +1,28 @@
 """The `orbax` checkpoint backend: orbax-checkpoint's CheckpointManager.
 
-Layout: `<directory>/<step>/` holds two items, `state` (the arrays, written by
-orbax's PyTree handler: OCDBT, zarr, uncompressed unless `compress=True`) and `meta`
-(JSON: the caller's metadata plus the tree index used to report mismatches), and
-orbax's `commit_success.txt`. Saves use orbax's commit-file atomicity, so a step counts only once that marker exists; an
+Layout: `<directory>/<step>/` holds three items, `state` (the arrays, written by
+orbax's PyTree handler: OCDBT, zarr, uncompressed unless `compress=True`), `meta`
+(JSON: the caller's metadata plus the tree index used to report mismatches) and
+`checksums` (one JSON file per process, see `_orbax_checksums`), and orbax's
+`commit_success.txt`. Saves use orbax's commit-file atomicity, so a step counts only once that marker exists; an
 interrupted save leaves a directory without it, which is ignored and replaced when
 that step is saved again. Nothing is pickled.
 
-`meta` also holds the CRC32 of the metadata and of every replica-0 shard of every
-array, computed from the host copy in `save` (with several processes only process 0's
-shards are recorded, since only it writes `meta`); it is written as part of the step,
-so before the commit file. `restore` verifies the metadata and every recorded shard
-contained in what this process restored; any failure, or an orbax/TensorStore error,
-is a one-line CheckpointError naming the step and the item or parameter path.
+`meta` also holds the CRC32 of the metadata; the `checksums` item holds the `mix32`
+of every replica-0 shard of every array, computed on the device from the arrays
+themselves (no extra device-to-host copy, nothing on the training thread but one
+dispatch per device; see `_orbax_checksums` for why) by every process for the shards
+it holds. Both are part of the step, so written before the commit file. Steps saved
+before the `checksums` item existed carry CRC32s in `meta["checksums"]` (process 0's
+shards only) and are verified as before. `restore` verifies the metadata and every
+recorded shard contained in what this process restored; any failure, or an
+orbax/TensorStore error, is a one-line CheckpointError naming the step and the item
+or parameter path.
+
+`set_aside(step)` renames a committed step that failed verification to
+`<step>.corrupt-<UTC time>` (see `_aside`) and reloads the manager's step list, so
+neither orbax nor this backend lists it any more (nor counts it for `keep_last_n`),
+and the step can be saved afresh.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import options as ocp_options
 from orbax.checkpoint.path import atomicity as ocp_atomicity
 
-from axcore.checkpoint import _tree, _verify
+from axcore.checkpoint import _aside, _orbax_checksums, _tree, _verify
 from axcore.checkpoint.base import CheckpointError, PyTree
 
 log = logging.getLogger(__name__)
@@ -61,8 +71,11 @@ class OrbaxBackend:
         handlers = {
             _STATE: ocp.PyTreeCheckpointHandler(use_compression=self.compress),
             _META: ocp.JsonCheckpointHandler(),
+            _orbax_checksums.ITEM: _orbax_checksums.ChecksumsHandler(),
         }
+        _orbax_checksums.register()
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._async = bool(async_save)
         self._saving: int | None = None
         self._closed = False
 
@@ -77,22 +90,38 @@ class OrbaxBackend:
         if step in self._manager.all_steps():
             log.warning("Checkpoint step %d already exists in %s; not saving it again.", step, self.directory)
             return
-        flat = jax.tree_util.tree_flatten_with_path(state)[0]
+        # Computed on the device, fetched and written by the checksums item in orbax's commit
+        # thread. Dispatched after orbax's (async) save call, not during its host copy (see
+        # _orbax_checksums); a synchronous save call writes the item itself, so before it.
+        pending = _verify.PendingChecksums(state)
+        if not self._async:
+            _dispatch(pending, where)
         meta = {
             "format": _FORMAT,
             "metadata": metadata,
             "metadata_crc32": _verify.json_checksum(metadata),
             "index": _tree.index_of(state),
-            "checksums": {jax.tree_util.keystr(p): _verify.array_pieces(x) for p, x in flat},
+            # Where the arrays' checksums are: one file per process in this item.
+            "checksums_item": {"name": _orbax_checksums.ITEM, "processes": jax.process_count()},
         }
-        args = ocp.args.Composite(**{_STATE: ocp.args.PyTreeSave(state), _META: ocp.args.JsonSave(meta)})
+        args = ocp.args.Composite(
+            **{
+                _STATE: ocp.args.PyTreeSave(state),
+                _META: ocp.args.JsonSave(meta),
+                _orbax_checksums.ITEM: _orbax_checksums.ChecksumsSave(pending),
+            }
+        )
         self._saving = step
         try:
             # force=True: also save a step below the latest (e.g. after restoring an older one).
             self._manager.save(step, args=args, force=True)
-        except Exception as e:
+        except BaseException as e:
+            pending.abandon(e)
             self._saving = None
+            if not isinstance(e, Exception):
+                raise
             raise CheckpointError(f"Saving {where} failed: {type(e).__name__}: {e}") from e
+        _dispatch(pending, where)  # Before returning: a donating step dispatched later runs after it.
 
     def wait(self) -> None:
         step, self._saving = self._saving, None
@@ -125,9 +154,23 @@ class OrbaxBackend:
     def _is_committed(self, step: int) -> bool:
         return os.path.exists(os.path.join(self.directory, str(step), ocp_atomicity.COMMIT_SUCCESS_FILE))
 
+    def set_aside(self, step: int) -> str:
+        """Renames committed `step` out of the way (see `_aside.move_aside`); returns its new path.
+
+        Afterwards neither this backend nor orbax lists the step (the manager's cached
+        step list is reloaded), so `keep_last_n` never counts or deletes it and the
+        step can be saved again. With several processes every process calls this
+        (process 0 renames). Raises CheckpointError if the step cannot be renamed.
+        """
+        self.wait()
+        try:
+            return _aside.move_aside(self.directory, str(step))
+        finally:
+            self._manager.reload()
+
     # -- restoring ------------------------------------------------------------------------
 
-    def restore(self, target: PyTree, step: int | None = None) -> tuple[PyTree, dict]:
+    def restore(self, target: PyTree, step: int | None = None, *, partial: bool = False) -> tuple[PyTree, dict]:
         step = _tree.resolve_step(step, self.all_steps(), self.directory)
         where = f"step {step} in {self.directory}"
         meta_file = f"{step}/{_META}/metadata"
@@ -143,20 +186,21 @@ class OrbaxBackend:
             )
         abstract = _tree.abstract_target(target)
         try:
-            _tree.check_matches(meta["index"], abstract, where)
+            _tree.check_matches(meta["index"], abstract, where, partial=partial)
         except (KeyError, TypeError, AttributeError) as e:
             why = f"{meta_file} has a malformed index ({_verify.cause(e)})"
             raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why) from None
         _verify.verify_metadata(meta.get("metadata"), meta.get("metadata_crc32"), where, meta_file)
         try:
             restore_args = jax.tree.map(lambda leaf: ocp.ArrayRestoreArgs(sharding=leaf.sharding), abstract)
-            args = ocp.args.PyTreeRestore(abstract, restore_args=restore_args)
+            # partial_restore: orbax reads only the target's leaves (the rest is never deserialized).
+            args = ocp.args.PyTreeRestore(abstract, restore_args=restore_args, partial_restore=partial)
             restored = self._manager.restore(step, args=ocp.args.Composite(**{_STATE: args}))[_STATE]
         except Exception as e:  # E.g. a missing or truncated data file, or a differing container type.
             _quiet_orbax_leftovers()
             why = f"{step}/{_STATE} cannot be read: {_verify.cause(e)}"
             raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why) from None
-        checksums = meta.get("checksums") or {}
+        checksums = meta.get("checksums") or _read_checksums(meta, self.directory, step, where)
         for path, x in jax.tree_util.tree_flatten_with_path(restored)[0]:
             path = jax.tree_util.keystr(path)
             if not isinstance(x, jax.Array):
@@ -185,6 +229,32 @@ class OrbaxBackend:
 
     def __repr__(self) -> str:
         return f"OrbaxBackend({self.directory!r}, keep_last_n={self.keep_last_n}, compress={self.compress})"
+
+
+def _dispatch(pending: _verify.PendingChecksums, where: str) -> None:
+    try:
+        pending.dispatch()
+    except Exception as e:  # An async save then fails to commit; wait() says so again.
+        raise CheckpointError(f"Checksumming {where} failed: {type(e).__name__}: {e}") from e
+
+
+def _read_checksums(meta: dict, directory: str, step: int, where: str) -> dict:
+    """The `checksums` item's pieces of every process (none for a step saved without it)."""
+    item = meta.get("checksums_item")
+    if not item:
+        return {}
+    try:
+        name, processes = str(item["name"]), int(item["processes"])
+        if name != _orbax_checksums.ITEM:
+            raise ValueError(f"unknown checksums item {name!r}")
+    except (KeyError, TypeError, ValueError) as e:
+        why = f"{step}/{_META}/metadata has a malformed checksums entry ({_verify.cause(e)})"
+        raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why) from None
+    try:
+        return _orbax_checksums.read(os.path.join(directory, str(step), name), processes)
+    except CheckpointError as e:
+        why = f"{step}/{e.reason}"
+        raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why) from None
 
 
 def _index_dtype(index: list[dict], path: str) -> str | None:

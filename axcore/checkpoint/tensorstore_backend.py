@@ -16,7 +16,11 @@ writes each copy into its region of the leaf's array; chunks are the saved
 sharding's shards (split further above 64 MiB), so no two processes write one chunk.
 With several processes, each writes only its own shards and then `done.<process>`
 (holding its shards' checksums); process 0 waits for all of them, writes `index.json`
-and `COMMITTED`, and prunes old steps. `restore` reads, for each leaf, only the slices
+and `COMMITTED`, and prunes old steps. The checksums are CRC32s of the host copies
+being written, computed in the background write thread (never on the training
+thread, and from the one copy the write needs anyway), each process for its own
+shards. A step that failed verification can be renamed out of the way with
+`set_aside` (see `_aside`). `restore` reads, for each leaf, only the slices
 the target sharding places on this process's devices, and verifies index.json, the
 metadata and every saved piece it read (see `_verify`), plus each array's zarr.json
 dtype and shape; any failure is a one-line CheckpointError naming the file.
@@ -41,7 +45,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from axcore.checkpoint import _tree, _verify
+from axcore.checkpoint import _aside, _tree, _verify
 from axcore.checkpoint.base import CheckpointError, PyTree
 
 log = logging.getLogger(__name__)
@@ -229,16 +233,27 @@ class TensorStoreBackend:
         matches = [_STEP_DIR.fullmatch(n) for n in names if not os.path.exists(os.path.join(self.directory, n, COMMIT_MARKER))]
         return sorted(int(m.group(1)) for m in matches if m)
 
+    def set_aside(self, step: int) -> str:
+        """Renames committed `step` out of the way (see `_aside.move_aside`); returns its new path.
+
+        `step_<8 digits>.corrupt-<time>` is not a step name, so the step is no longer
+        listed, restored or pruned, and can be saved again. With several processes
+        every process calls this (process 0 renames). Raises CheckpointError if the
+        step cannot be renamed.
+        """
+        self.wait()
+        return _aside.move_aside(self.directory, step_dir_name(step))
+
     # -- restoring ------------------------------------------------------------------------
 
-    def restore(self, target: PyTree, step: int | None = None) -> tuple[PyTree, dict]:
+    def restore(self, target: PyTree, step: int | None = None, *, partial: bool = False) -> tuple[PyTree, dict]:
         step = _tree.resolve_step(step, self.all_steps(), self.directory)
         where = f"step {step} in {self.directory}"
         step_dir = os.path.join(self.directory, step_dir_name(step))
         index = self._read_index(step, step_dir, where)
         entries = {e["path"]: e for e in index["arrays"]}
         abstract = _tree.abstract_target(target)
-        _tree.check_matches(index["arrays"] + index["empty"], abstract, where)
+        _tree.check_matches(index["arrays"] + index["empty"], abstract, where, partial=partial)
         _verify.verify_metadata(index["metadata"], index.get("metadata_crc32"), where, INDEX_FILE)
         flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
         leaves = [entries[jax.tree_util.keystr(p)] for p, _ in flat]

@@ -12,9 +12,26 @@ user sees all problems of an experiment in one pass:
         # Optional: None, or a positive int.
         window: Annotated[int, Positive] | None = None
 
-Every float field must hold a finite value unless annotated `AllowNonFinite`.
-A config class adds checks across its fields by overriding
-`ConfigBase.check_fields()` (yielding `(field, problem)` pairs).
+Every float field must hold a finite value unless annotated `AllowNonFinite`, and
+every int a value of the int64 range (what NumPy and XLA can hold). A config class
+adds checks across its fields by overriding `ConfigBase.check_fields()` (yielding
+`(field, problem)` pairs).
+
+Sizes. A field whose value sizes an array or counts parts built one by one declares
+a `Size` (core and plugin layers alike), with an upper bound as well as a lower one:
+
+    # Vocabulary size.
+    vocab_size: Annotated[int, Length] = REQUIRED   # 1 .. 2**31 - 1 (int32 token ids)
+    # Model dimension.
+    dim: Annotated[int, Width] = REQUIRED           # 1 .. 2**20
+    # Number of decoder layers.
+    num_layers: Annotated[int, Depth] = REQUIRED    # 1 .. 1024 (one module each)
+
+`size_problems` checks only these bounds and the int64 range, cheaply, before the
+plugins' config transforms run (a transform may build one config per layer), and
+`config_problems` checks them again with everything else before a model is built.
+A dtype field of values that are differentiated (parameters, activations) declares
+`Floating`.
 """
 
 from __future__ import annotations
@@ -24,8 +41,10 @@ import math
 import re
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+import numpy as np
 
 from axcore.config.base import REQUIRED, ConfigBase
 from axcore.errors import ConfigError
@@ -44,11 +63,27 @@ class ConfigValidationError(ConfigError):
         super().__init__(f"{problems[0]}{more}")
 
 
+def raise_collected(errors: Sequence[ConfigError]) -> None:
+    """Raises the errors collected in one pass (e.g. by `from_dict(..., errors=...)`), if any.
+
+    One error is raised as itself (its type kept); several as one ConfigValidationError
+    holding one line per error, which the CLI prints one under the other.
+    """
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigValidationError([" ".join(str(e).split()) for e in errors])
+
+
 class Constraint:
     """A condition on a field's value; `problem(value)` says what is wrong, or None."""
 
     def problem(self, value: Any) -> str | None:
         raise NotImplementedError
+
+    def advice(self, value: Any) -> str | None:
+        """What to do about a `value` that has a problem (appended to the line), or None."""
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +144,37 @@ class MaxLength(Constraint):
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Size(Constraint):
+    """An int size or count from `minimum` to `limit`; `why` says where the limit comes from."""
+
+    limit: int
+    why: str
+    minimum: int = 1
+
+    def problem(self, value: Any) -> str | None:
+        if not isinstance(value, int) or isinstance(value, bool) or self.minimum <= value <= self.limit:
+            return None  # Types are checked on assignment.
+        return f"must be an integer from {self.minimum} to {self.limit} ({self.why})"
+
+    def advice(self, value: Any) -> str:
+        return "set a smaller value" if value > self.limit else f"set at least {self.minimum}"
+
+
+class _Floating(Constraint):
+    """A floating dtype (float32, bfloat16, float16, float8 types): values that are differentiated."""
+
+    def problem(self, value: Any) -> str | None:
+        import jax.numpy as jnp  # Deferred, as in axcore.config.base: declaring configs needs no JAX.
+
+        if not isinstance(value, np.dtype) or jnp.issubdtype(value, jnp.floating):
+            return None
+        return "must be a floating dtype (gradients flow through these values)"
+
+    def advice(self, value: Any) -> str:
+        return "use float32, bfloat16 or float16"
+
+
 class _AllowNonFinite(Constraint):
     def problem(self, value: Any) -> str | None:
         return None
@@ -126,6 +192,20 @@ UnitInterval = Range(ge=0, le=1)
 Seed = Range(ge=0, lt=2**32)
 # A float field that may hold inf or NaN (every other float must be finite).
 AllowNonFinite = _AllowNonFinite()
+# Lengths indexed by token ids or positions (vocabulary, sequence, position table), batch sizes and
+# other array dimensions: JAX's default integer is int32, so an index past 2**31 - 1 wraps.
+Length = Size(2**31 - 1, "token ids and positions are int32")
+# Feature widths: model, hidden and head dims, heads, experts (host tables such as RoPE's or ALiBi's
+# are computed per feature or head when the model is traced).
+Width = Size(2**20, "a 2**20-wide square weight matrix alone holds 2**40 parameters, 4 TiB in float32")
+# Parts built one by one in Python (decoder layers, unrolled scan steps): each is a module of its own,
+# built and traced apart (`axcore config` of 1024 unrolled layers: about 0.4 GB and 25 s on 2 CPU cores).
+Depth = Size(1024, "each layer is built and traced as a module of its own; the deepest published decoders have under 200")
+# A dtype of parameters or activations.
+Floating = _Floating()
+
+# Values every int field must lie in: what NumPy, JAX and XLA can hold (int64).
+_INT64 = (-(2**63), 2**63 - 1)
 
 
 def _split(tp: Any) -> tuple[Any, tuple[Constraint, ...]]:
@@ -141,40 +221,52 @@ def strip_constraints(tp: Any) -> Any:
     return _split(tp)[0]
 
 
-def _value_problems(value: Any, tp: Any, path: str) -> Iterator[str]:
-    """Problems of `value` under annotation `tp` (constraints, finiteness), descending into containers."""
+def _shown(value: Any) -> str:
+    if isinstance(value, np.dtype):
+        return repr(value.name)
+    return repr(value if not isinstance(value, str) or len(value) <= 60 else value[:57] + "...")
+
+
+def _value_problems(value: Any, tp: Any, path: str, sizes_only: bool = False) -> Iterator[str]:
+    """Problems of `value` under annotation `tp` (constraints, finiteness, the int64 range), descending
+    into containers; with `sizes_only`, only `Size` constraints and the int64 range."""
     tp, constraints = _split(tp)
     if value is REQUIRED or value is None or isinstance(value, ConfigBase):
         return
-    if isinstance(value, float) and not math.isfinite(value) and AllowNonFinite not in constraints:
+    past_int64 = isinstance(value, int) and not isinstance(value, bool) and not _INT64[0] <= value <= _INT64[1]
+    if sizes_only and not past_int64:  # A value past int64 is a problem anyway: its own range names it best.
+        constraints = tuple(c for c in constraints if isinstance(c, Size))
+    elif not sizes_only and isinstance(value, float) and not math.isfinite(value) and AllowNonFinite not in constraints:
         yield f"'{path}' must be a finite number, got {value}."
         return
     for constraint in constraints:
         problem = constraint.problem(value)
         if problem is not None:
-            shown = value if not isinstance(value, str) or len(value) <= 60 else value[:57] + "..."
-            yield f"'{path}' {problem}, got {shown!r}."
+            advice = constraint.advice(value)
+            yield f"'{path}' {problem}, got {_shown(value)}{f'; {advice}' if advice else ''}."
             return
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union or origin is types.UnionType:
+    if past_int64 and not (origin is typing.Union or origin is types.UnionType):  # A member's own range first.
+        yield f"'{path}' must be an integer from {_INT64[0]} to {_INT64[1]} (int64), got {value}; set one in that range."
+    elif origin is typing.Union or origin is types.UnionType:
         members = [a for a in args if a is not type(None)]
         if len(members) == 1:
-            yield from _value_problems(value, members[0], path)
+            yield from _value_problems(value, members[0], path, sizes_only)
         else:  # Several members: check against the one the value's type picked.
             for member in members:
                 kind = typing.get_origin(strip_constraints(member)) or strip_constraints(member)
                 if isinstance(kind, type) and isinstance(value, kind):
-                    yield from _value_problems(value, member, path)
+                    yield from _value_problems(value, member, path, sizes_only)
                     break
     elif isinstance(value, (list, tuple)) and args:
         elems = args if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis) else None
         for i, item in enumerate(value):
             item_tp = elems[i] if elems and i < len(elems) else args[0]
-            yield from _value_problems(item, item_tp, f"{path}[{i}]")
+            yield from _value_problems(item, item_tp, f"{path}[{i}]", sizes_only)
     elif isinstance(value, dict) and len(args) == 2:
         for key, item in value.items():
-            yield from _value_problems(item, args[1], f"{path}.{key}")
-    elif isinstance(value, (list, tuple, dict)):
+            yield from _value_problems(item, args[1], f"{path}.{key}", sizes_only)
+    elif isinstance(value, (list, tuple, dict)) and not sizes_only:
         yield from _untyped_problems(value, path)
 
 
@@ -190,30 +282,42 @@ def _untyped_problems(value: Any, path: str) -> Iterator[str]:
 
 
 def config_problems(cfg: ConfigBase, path: str = "") -> list[str]:
-    """Every problem of the tree: field constraints, non-finite floats, `check_fields()`.
+    """Every problem of the tree: field constraints, non-finite floats, the int64 range, `check_fields()`.
 
     One line per problem, each starting with the quoted dotted path of its field.
     Unset REQUIRED fields are not problems here (a parent may still set them).
     """
     problems: list[str] = []
-    _collect(cfg, path, problems)
+    _collect(cfg, path, problems, sizes_only=False)
     return problems
 
 
-def _collect(cfg: ConfigBase, path: str, problems: list[str]) -> None:
+def size_problems(cfg: ConfigBase, path: str = "") -> list[str]:
+    """The problems of `config_problems` that `Size` constraints and the int64 range find, alone.
+
+    Cheap, and safe on any tree: what runs before code that may allocate in proportion
+    to a size (the plugins' config transforms, which may build one config per layer).
+    """
+    problems: list[str] = []
+    _collect(cfg, path, problems, sizes_only=True)
+    return problems
+
+
+def _collect(cfg: ConfigBase, path: str, problems: list[str], *, sizes_only: bool) -> None:
     types_ = type(cfg).field_types()
     prefix = f"{path}." if path else ""
     for name, value in cfg.items():
         where = f"{prefix}{name}"
-        problems.extend(_value_problems(value, types_[name], where))
+        problems.extend(_value_problems(value, types_[name], where, sizes_only))
         if isinstance(value, ConfigBase):
-            _collect(value, where, problems)
+            _collect(value, where, problems, sizes_only=sizes_only)
         elif isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
                 if isinstance(item, ConfigBase):
-                    _collect(item, f"{where}[{i}]", problems)
-    for field, problem in cfg.check_fields():
-        problems.append(f"'{prefix}{field}' {problem}")
+                    _collect(item, f"{where}[{i}]", problems, sizes_only=sizes_only)
+    if not sizes_only:
+        for field, problem in cfg.check_fields():
+            problems.append(f"'{prefix}{field}' {problem}")
 
 
 def validate_config(cfg: ConfigBase, path: str = "") -> None:

@@ -126,12 +126,18 @@ def from_dict(
     *,
     path: str = "",
     annotation: Any = None,
+    errors: list[ConfigError] | None = None,
 ) -> ConfigBase:
     """Builds a config from `data`, merged onto a copy of `base` if given.
 
+    With `errors`, a field that cannot be merged (unknown, wrong type, unknown
+    component, at any depth) appends its error there and leaves the field as it was,
+    and the merge goes on with the next one, so one pass finds every bad key of a
+    file; `axcore.config.raise_collected(errors)` then raises them together.
+
     Raises:
         UnknownFieldError / ConfigTypeError / UnknownComponentError: naming the
-            dotted path of the offending entry.
+            dotted path of the offending entry (the first one, unless `errors` is given).
     """
     where = path or "<root>"
     if not isinstance(data, dict):
@@ -156,11 +162,18 @@ def from_dict(
             )
         node = concrete[0]()
     for key, value in data.items():
-        _merge_field(node, key, value, resolver, join_path(path, key))
+        try:
+            _merge_field(node, key, value, resolver, join_path(path, key), errors)
+        except ConfigError as e:
+            if errors is None:
+                raise
+            errors.append(e)
     return node
 
 
-def _merge_field(node: ConfigBase, key: Any, value: Any, resolver: Resolver, path: str) -> None:
+def _merge_field(
+    node: ConfigBase, key: Any, value: Any, resolver: Resolver, path: str, errors: list[ConfigError] | None
+) -> None:
     fields = node.keys()
     if key not in fields:
         raise UnknownFieldError(
@@ -172,14 +185,14 @@ def _merge_field(node: ConfigBase, key: Any, value: Any, resolver: Resolver, pat
     config_like = bool(_config_classes(annotation)) or isinstance(current, ConfigBase)
     if config_like and isinstance(value, dict) and not _is_index_map(value):
         base = current if isinstance(current, ConfigBase) else None
-        value = from_dict(value, resolver, base, path=path, annotation=annotation)
+        value = from_dict(value, resolver, base, path=path, annotation=annotation, errors=errors)
     elif config_like and isinstance(value, list):
         value = [
-            _list_item(item, current, i, resolver, join_path(path, i), annotation)
+            _list_item(item, current, i, resolver, join_path(path, i), annotation, errors)
             for i, item in enumerate(value)
         ]
     elif isinstance(value, dict) and _is_index_map(value) and isinstance(current, (list, tuple)):
-        value = _update_items(current, value, resolver, path, annotation)
+        value = _update_items(current, value, resolver, path, annotation, errors)
     object.__setattr__(node, key, coerce(value, annotation, path))
 
 
@@ -187,14 +200,14 @@ def _is_index_map(value: dict) -> bool:
     return bool(value) and all(isinstance(k, int) and not isinstance(k, bool) for k in value)
 
 
-def _list_item(item, current, index, resolver, path, annotation):
+def _list_item(item, current, index, resolver, path, annotation, errors):
     if not isinstance(item, dict):
         return item
     if isinstance(current, (list, tuple)) and index < len(current):
         base = current[index]
     else:
         base = current if isinstance(current, ConfigBase) else None
-    return from_dict(item, resolver, base, path=path, annotation=_item_annotation(annotation))
+    return from_dict(item, resolver, base, path=path, annotation=_item_annotation(annotation), errors=errors)
 
 
 def _item_annotation(annotation):
@@ -204,14 +217,14 @@ def _item_annotation(annotation):
     return annotation
 
 
-def _update_items(current, updates: dict, resolver, path, annotation):
+def _update_items(current, updates: dict, resolver, path, annotation, errors):
     items = list(current)
     for index, update in updates.items():
         if not 0 <= index < len(items):
             raise ConfigError(f"Config '{path}[{index}]' is out of range (length {len(items)}).")
         item_path = join_path(path, index)
         if isinstance(update, dict) and isinstance(items[index], ConfigBase):
-            items[index] = from_dict(update, resolver, items[index], path=item_path)
+            items[index] = from_dict(update, resolver, items[index], path=item_path, errors=errors)
         else:
             items[index] = update
     return type(current)(items)

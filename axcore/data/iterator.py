@@ -26,7 +26,7 @@ from typing import Annotated, Any
 
 import numpy as np
 
-from axcore.config import ConfigBase, InstantiableConfig, Positive, Seed
+from axcore.config import ConfigBase, InstantiableConfig, Length, Seed
 from axcore.data.errors import DataError
 from axcore.data.sources import DataSource, EmbeddedCorpus, Split, as_split
 from axcore.data.tokenizer import Tokenizer
@@ -205,9 +205,9 @@ class InputConfig(ConfigBase):
     # The data source: a registered one (embedded_corpus, text_files, token_file, ...).
     source: InstantiableConfig = EmbeddedCorpus.default_config()
     # Sequences per batch.
-    batch_size: Annotated[int, Positive] = 8
+    batch_size: Annotated[int, Length] = 8
     # Tokens per sequence (a window holds seq_len + 1 tokens).
-    seq_len: Annotated[int, Positive] = 256
+    seq_len: Annotated[int, Length] = 256
     # Seed of the per-epoch shuffle of the train split.
     seed: Annotated[int, Seed] = 0
     # Whether the train split visits windows in seeded random order (eval never shuffles).

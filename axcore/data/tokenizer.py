@@ -26,6 +26,9 @@ class Tokenizer(Configurable):
     class Config(Configurable.Config):
         """Configures Tokenizer."""
 
+    # What one token is, for labels such as loss.png's "nats per token" ("byte" for ByteTokenizer).
+    token_unit: str = "token"
+
     def __init__(self, cfg: ClassConfig | None = None):
         super().__init__(cfg if cfg is not None else type(self).default_config())
 
@@ -77,6 +80,8 @@ class ByteTokenizer(Tokenizer):
 
     # Number of distinct token ids.
     vocab_size: Annotated[int, Positive] = 256
+    # One token is one UTF-8 byte.
+    token_unit = "byte"
 
     def encode(self, text: str) -> np.ndarray:
         """`text` -> int32 `[num_bytes]`, its UTF-8 encoding."""

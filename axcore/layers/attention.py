@@ -36,7 +36,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED, InstantiableConfig, Positive, Probability
+from axcore.config import REQUIRED, InstantiableConfig, Length, Positive, Probability, Width
 from axcore.errors import ConfigError
 from axcore.kernels.attention import ATTENTION, AttentionProblem
 from axcore.kernels.registry import current_environment
@@ -57,17 +57,17 @@ class MultiheadAttention(BaseLayer):
         """Configures MultiheadAttention."""
 
         # Model dimension.
-        input_dim: Annotated[int, Positive] = REQUIRED
+        input_dim: Annotated[int, Width] = REQUIRED
         # Number of query heads.
-        num_heads: Annotated[int, Positive] = REQUIRED
+        num_heads: Annotated[int, Width] = REQUIRED
         # Number of key/value heads: None = num_heads (MHA), 1 = multi-query, else grouped.
-        num_kv_heads: Annotated[int, Positive] | None = None
+        num_kv_heads: Annotated[int, Width] | None = None
         # Per-head dimension; None = input_dim // num_heads.
-        head_dim: Annotated[int, Positive] | None = None
+        head_dim: Annotated[int, Width] | None = None
         # Whether query i may only attend to keys j <= i.
         causal: bool = False
         # Query i sees only the keys fewer than this many positions behind it; None = all.
-        sliding_window: Annotated[int, Positive] | None = None
+        sliding_window: Annotated[int, Length] | None = None
         # Logit soft-cap c: logits = c * tanh(logits / c); None = none.
         softcap: Annotated[float, Positive] | None = None
         # Dropout rate on the attention probabilities, in training only.

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import jax
 import numpy as np
 
-from axcore.config import DType, InstantiableConfig
+from axcore.config import DType, Floating, InstantiableConfig
 from axcore.errors import ConfigError
 from axcore.kernels.dot import DOT, DotProblem, dot_problem
 from axcore.kernels.registry import Kernel, Op, Problem, current_environment
@@ -95,9 +95,9 @@ class BaseLayer(Module):
         """Configures BaseLayer."""
 
         # Storage dtype of parameters; None = the parent layer's (float32 at the root).
-        param_dtype: DType | None = None
+        param_dtype: Annotated[DType, Floating] | None = None
         # Dtype of activations and matmul operands; None = the parent layer's (float32 at the root).
-        compute_dtype: DType | None = None
+        compute_dtype: Annotated[DType, Floating] | None = None
         # Initialization of this layer's weights (biases and norm scales are constant).
         param_init: ParamInit = ParamInit()
         # Kernel to force per op name, e.g. {dot: xla}; merged over the parent's; None = the parent's.

@@ -6,7 +6,7 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED, DType, Positive
+from axcore.config import REQUIRED, DType, Floating, Length, Positive, Width
 from axcore.errors import ConfigError
 from axcore.layers.base import BaseLayer, DotSite
 from axcore.params import FanAxes, ParameterSpec
@@ -19,9 +19,9 @@ class Linear(BaseLayer):
         """Configures Linear."""
 
         # Size of the last input dimension.
-        input_dim: Annotated[int, Positive] = REQUIRED
-        # Size of the last output dimension.
-        output_dim: Annotated[int, Positive] = REQUIRED
+        input_dim: Annotated[int, Length] = REQUIRED
+        # Size of the last output dimension (a vocabulary, for an output head).
+        output_dim: Annotated[int, Length] = REQUIRED
         # Whether to add a bias.
         bias: bool = True
         # Logical axis names of the weight `[input_dim, output_dim]`.
@@ -29,7 +29,7 @@ class Linear(BaseLayer):
         # Logical axes of x, e.g. [batch, seq, embed] (tells kernels x's partition spec); None = unknown.
         input_axes: tuple[str | None, ...] | None = None
         # Dtype of y; None = the compute dtype (an output head sets float32 logits).
-        output_dtype: DType | None = None
+        output_dtype: Annotated[DType, Floating] | None = None
 
     def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
         cfg = self._config
@@ -59,9 +59,9 @@ class Embedding(BaseLayer):
         """Configures Embedding."""
 
         # Vocabulary size.
-        num_embeddings: Annotated[int, Positive] = REQUIRED
+        num_embeddings: Annotated[int, Length] = REQUIRED
         # Embedding dimension.
-        dim: Annotated[int, Positive] = REQUIRED
+        dim: Annotated[int, Width] = REQUIRED
         # Whether `attend` (logits against the table, a tied output head) is used; a model sets it.
         tied_head: bool = False
 
@@ -101,7 +101,7 @@ class RMSNorm(BaseLayer):
         """Configures RMSNorm."""
 
         # Size of the normalized (last) dimension.
-        input_dim: Annotated[int, Positive] = REQUIRED
+        input_dim: Annotated[int, Width] = REQUIRED
         # Added to the mean square for numerical stability.
         eps: Annotated[float, Positive] = 1e-6
 
@@ -122,7 +122,7 @@ class LayerNorm(BaseLayer):
         """Configures LayerNorm."""
 
         # Size of the normalized (last) dimension.
-        input_dim: Annotated[int, Positive] = REQUIRED
+        input_dim: Annotated[int, Width] = REQUIRED
         # Added to the variance for numerical stability.
         eps: Annotated[float, Positive] = 1e-5
         # Whether to add a learned bias after scaling.

@@ -17,7 +17,7 @@ import enum
 
 import jax
 
-from axcore.config import REQUIRED, Positive
+from axcore.config import REQUIRED, Width
 from axcore.layers.base import BaseLayer
 from axcore.layers.basic import Linear
 
@@ -64,9 +64,9 @@ class FeedForward(BaseLayer):
         """Configures FeedForward."""
 
         # Model dimension (input and output).
-        input_dim: Annotated[int, Positive] = REQUIRED
+        input_dim: Annotated[int, Width] = REQUIRED
         # Hidden dimension.
-        hidden_dim: Annotated[int, Positive] = REQUIRED
+        hidden_dim: Annotated[int, Width] = REQUIRED
         # Nonlinearity applied to the hidden layer.
         activation: Activation = Activation.GELU
         # Template for the projections (dimensions and axes are set by this layer).

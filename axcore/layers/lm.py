@@ -6,7 +6,7 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED, InstantiableConfig, NonNegative, Positive
+from axcore.config import REQUIRED, Depth, InstantiableConfig, Length, NonNegative, Width
 from axcore.config.traversal import find
 from axcore.errors import ConfigError
 from axcore.layers.attention import MultiheadAttention
@@ -61,11 +61,11 @@ class CausalLM(BaseLayer):
         """Configures CausalLM."""
 
         # Vocabulary size.
-        vocab_size: Annotated[int, Positive] = REQUIRED
+        vocab_size: Annotated[int, Length] = REQUIRED
         # Model dimension.
-        dim: Annotated[int, Positive] = REQUIRED
+        dim: Annotated[int, Width] = REQUIRED
         # Number of decoder layers.
-        num_layers: Annotated[int, Positive] = REQUIRED
+        num_layers: Annotated[int, Depth] = REQUIRED
         # Token embedding.
         embedding: InstantiableConfig = Embedding.default_config()
         # Input position embedding slot (None: positions only inside attention).

@@ -24,7 +24,7 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED, Positive
+from axcore.config import REQUIRED, Length, Width
 from axcore.layers.base import BaseLayer
 from axcore.params import FanAxes, ParameterSpec
 
@@ -36,9 +36,9 @@ class PositionEmbedding(BaseLayer):
         """Configures PositionEmbedding."""
 
         # Feature dimension it acts on; set by the parent slot.
-        dim: Annotated[int, Positive] | None = None
+        dim: Annotated[int, Width] | None = None
         # Number of query heads; set by attention slots.
-        num_heads: Annotated[int, Positive] | None = None
+        num_heads: Annotated[int, Width] | None = None
 
     def embed_inputs(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """x `[batch, seq, dim]`, positions `[batch, seq]` int -> `[batch, seq, dim]`."""
@@ -69,7 +69,7 @@ class LearnedPositionEmbedding(PositionEmbedding):
         """Configures LearnedPositionEmbedding."""
 
         # Number of positions the table holds; longer inputs are an error.
-        max_len: Annotated[int, Positive] = REQUIRED
+        max_len: Annotated[int, Length] = REQUIRED
 
     def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
         cfg = self._config

@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED, InstantiableConfig, Positive, Probability
+from axcore.config import REQUIRED, Depth, InstantiableConfig, Probability, Width
 from axcore.errors import ConfigError
 from axcore.layers.attention import MultiheadAttention
 from axcore.layers.base import BaseLayer, checkpoint_policy, with_fields
@@ -50,7 +50,7 @@ class TransformerLayer(BaseLayer):
         """Configures TransformerLayer."""
 
         # Model dimension.
-        input_dim: Annotated[int, Positive] = REQUIRED
+        input_dim: Annotated[int, Width] = REQUIRED
         # Normalization before each sublayer (e.g. rms_norm or layer_norm).
         norm: InstantiableConfig = RMSNorm.default_config()
         # Self-attention sublayer.
@@ -123,9 +123,9 @@ class StackedTransformer(BaseLayer):
         """Configures StackedTransformer."""
 
         # Model dimension.
-        input_dim: Annotated[int, Positive] = REQUIRED
+        input_dim: Annotated[int, Width] = REQUIRED
         # Number of layers.
-        num_layers: Annotated[int, Positive] = REQUIRED
+        num_layers: Annotated[int, Depth] = REQUIRED
         # One config used for every layer, or a list with one config per layer.
         layer: InstantiableConfig | list[InstantiableConfig] = TransformerLayer.default_config()
 
@@ -184,9 +184,9 @@ class RepeatedTransformer(BaseLayer):
         """Configures RepeatedTransformer."""
 
         # Model dimension.
-        input_dim: Annotated[int, Positive] = REQUIRED
+        input_dim: Annotated[int, Width] = REQUIRED
         # Total number of layers (a multiple of the unit's layer count).
-        num_layers: Annotated[int, Positive] = REQUIRED
+        num_layers: Annotated[int, Depth] = REQUIRED
         # The repeated unit: a layer, or a stacked_transformer block of several layers.
         layer: InstantiableConfig = TransformerLayer.default_config()
         # Backward-pass rematerialization: None saves every activation; otherwise a
@@ -194,7 +194,7 @@ class RepeatedTransformer(BaseLayer):
         remat_policy: str | None = None
         # Units per scan iteration (lax.scan's unroll): 1 keeps compile time flat in
         # depth; larger trades compile time for less loop overhead per step.
-        unroll: Annotated[int, Positive] = 1
+        unroll: Annotated[int, Depth] = 1
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)

@@ -1,4 +1,13 @@
-"""Loss curves as PNG files, drawn with matplotlib's Agg canvas (no pyplot, no global state)."""
+"""Loss curves as PNG files, drawn with matplotlib's Agg canvas (no pyplot, no global state).
+
+`loss_figure` builds the figure (so what it draws can be read back), `save_figure`
+writes it, `plot_loss_curve` does both; the trainer calls it at the end of a run for
+`<run_dir>/loss.png`. The y axis is the loss in nats per token, naming what one token
+is (`Tokenizer.token_unit`: a UTF-8 byte for the built-in `bytes` tokenizer); the
+title names the run (and its experiment). A training curve is one batch's loss per
+logged step, so it is noisy: it is drawn faint, under its exponential moving average
+(`ema`); evaluation losses are drawn as markers joined by a line.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +15,7 @@ import math
 import os
 import pathlib
 from collections.abc import Sequence
+from typing import Any
 
 from axcore.observe.writers import MetricsError, read_jsonl_metrics
 
@@ -30,25 +40,64 @@ def _is_eval(key: str) -> bool:
     return key.split("/", 1)[0].startswith("eval")
 
 
-def plot_loss_curve(
+def ema(values: Sequence[float], smoothing: float) -> list[float]:
+    """Exponential moving average: `s_0 = x_0`, `s_i = smoothing * s_(i-1) + (1 - smoothing) * x_i`.
+
+    One value per record (logged steps, whatever their spacing). A NaN value (a
+    diverged step) gives NaN at its position and leaves the average where it was.
+    `smoothing` in [0, 1): 0 returns the values unchanged.
+    """
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+    out, average = [], None
+    for value in values:
+        if math.isnan(value):
+            out.append(math.nan)
+            continue
+        average = value if average is None else smoothing * average + (1.0 - smoothing) * value
+        out.append(average)
+    return out
+
+
+def _title(run_name: str | None, experiment: str | None) -> str:
+    if run_name and experiment:
+        return f"{run_name} (experiment {experiment})"
+    return run_name or (f"experiment {experiment}" if experiment else "Loss")
+
+
+def _y_label(series_keys: Sequence[str], token_unit: str) -> str:
+    if not all(k.endswith("loss") for k in series_keys):
+        return "value"
+    unit = "" if token_unit == "token" else f"; 1 token = 1 {token_unit}"
+    return f"loss (nats per token{unit})"
+
+
+def loss_figure(
     metrics: Sequence[dict] | str | os.PathLike[str],
-    out_png: str | os.PathLike[str],
     *,
     keys: Sequence[str] = ("train/loss", "eval/loss"),
-    title: str = "Loss",
-) -> pathlib.Path:
-    """Draws one line per key of `keys` present in `metrics` (x = step) into a PNG.
+    run_name: str | None = None,
+    experiment: str | None = None,
+    token_unit: str = "token",
+    smoothing: float = 0.9,
+    title: str | None = None,
+):
+    """A matplotlib `Figure` (Agg canvas) of the loss curves in `metrics`, not yet saved.
 
     Args:
         metrics: records as returned by `read_jsonl_metrics` (each with a "step"),
             or the path of a JSONL file written by `JsonlWriter`.
-        out_png: where to write the PNG; parent folders are created.
         keys: metric names to draw. Keys whose first path part starts with "eval"
-            (e.g. "eval/loss") are drawn with markers at each evaluated step.
-        title: the figure title.
+            (e.g. "eval/loss") are drawn as markers joined by a line; any other key
+            (a per-batch training value) faint as logged, and its `ema` over it.
+        run_name: the run directory's name, in the title.
+        experiment: the experiment's name, in the title.
+        token_unit: what one token is (`Tokenizer.token_unit`), in the y label.
+        smoothing: the `ema` factor of the training curves.
+        title: the figure's title instead of the run and experiment names.
 
-    Returns:
-        The path of the written PNG.
+    The lines carry legend labels: `key` for an eval line; `key + " (raw)"` for a
+    faint training line and `key + " (moving average, smoothing S)"` for its average.
 
     Raises:
         MetricsError: none of `keys` occurs in `metrics`.
@@ -75,19 +124,39 @@ def plot_loss_curve(
     fig = Figure(figsize=(8, 5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for key, (steps, values) in series.items():
+    for i, (key, (steps, values)) in enumerate(series.items()):
+        colour = f"C{i}"
         if _is_eval(key) or len(steps) == 1:
-            ax.plot(steps, values, marker="o", markersize=5, linewidth=1.2, label=key)
+            ax.plot(steps, values, color=colour, marker="o", markersize=5, linewidth=1.2, label=key)
         else:
-            ax.plot(steps, values, linewidth=1.5, label=key)
+            ax.plot(steps, values, color=colour, linewidth=0.8, alpha=0.3, label=f"{key} (raw)")
+            ax.plot(steps, ema(values, smoothing), color=colour, linewidth=1.8,
+                    label=f"{key} (moving average, smoothing {smoothing:g})")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss" if all(k.endswith("loss") for k in series) else "value")
-    ax.set_title(title)
+    ax.set_ylabel(_y_label(list(series), token_unit))
+    ax.set_title(title if title is not None else _title(run_name, experiment))
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    return fig
 
+
+def save_figure(fig, out_png: str | os.PathLike[str]) -> pathlib.Path:
+    """Writes `fig` as a PNG to `out_png` (parent folders created); returns its path."""
     out = pathlib.Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
     return out
+
+
+def plot_loss_curve(
+    metrics: Sequence[dict] | str | os.PathLike[str],
+    out_png: str | os.PathLike[str],
+    **figure: Any,
+) -> pathlib.Path:
+    """`loss_figure(metrics, **figure)` saved as a PNG at `out_png`; returns its path.
+
+    Raises:
+        MetricsError: none of the keys occurs in `metrics` (nothing is written).
+    """
+    return save_figure(loss_figure(metrics, **figure), out_png)

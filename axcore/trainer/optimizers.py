@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from axcore.config import Configurable, DType, NonNegative, Positive, Probability, UnitInterval
+from axcore.config import Configurable, DType, Floating, NonNegative, Positive, Probability, UnitInterval
 
 
 class Optimizer(Configurable):
@@ -107,7 +107,7 @@ class AdamW(Optimizer):
         # Added to the root of the second moment.
         eps: Annotated[float, NonNegative] = 1e-8
         # Storage dtype of both moments; None = each parameter's dtype (float32 master weights).
-        moment_dtype: DType | None = None
+        moment_dtype: Annotated[DType, Floating] | None = None
 
     def transform(self) -> optax.GradientTransformation:
         cfg = self._config
@@ -156,7 +156,7 @@ class Lion(Optimizer):
         # Decay of the momentum.
         b2: float = 0.99
         # Storage dtype of the momentum; None = each parameter's dtype.
-        moment_dtype: DType | None = None
+        moment_dtype: Annotated[DType, Floating] | None = None
 
     def transform(self) -> optax.GradientTransformation:
         cfg = self._config

@@ -9,8 +9,10 @@ host whose pid is gone is taken over as stale.
 
 A run that fails before anything worth keeping exists, i.e. in a directory it
 created itself and before its first committed checkpoint, removes the directory.
-Otherwise it leaves `<run_dir>/FAILED` with the error line; the next run in that
-directory removes it when it starts.
+Otherwise it leaves `<run_dir>/FAILED` with the error line. A run stopped by Ctrl-C
+is cleaned up the same way but marked `<run_dir>/INTERRUPTED` instead, with the line
+that says how to resume (see `axcore/trainer/interrupt.py`). The next run in that
+directory removes either mark when it starts.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from axcore.errors import AxcoreError
 
 LOCK_FILE = ".lock"
 FAILED_FILE = "FAILED"
+# Marks a run stopped by Ctrl-C; holds the line saying what was saved and how to resume.
+INTERRUPTED_FILE = "INTERRUPTED"
 
 
 class RunDirectoryError(AxcoreError):
@@ -57,7 +61,8 @@ class RunDirectory:
 
     `acquire()` creates the directory (and its parents) if needed and takes the
     lock; `created` tells whether this run created the directory. `release()`
-    unlocks; `fail(message, committed)` cleans up after a failure (module docstring).
+    unlocks; `fail(message, committed)` cleans up after a failure and
+    `interrupt(message, committed)` after Ctrl-C (module docstring).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -100,7 +105,11 @@ class RunDirectory:
         self._fd = fd
         os.ftruncate(fd, 0)
         os.write(fd, self._holder_record())
-        (self.path / FAILED_FILE).unlink(missing_ok=True)
+        self._clear_marks()
+
+    def _clear_marks(self) -> None:
+        for mark in (FAILED_FILE, INTERRUPTED_FILE):
+            (self.path / mark).unlink(missing_ok=True)
 
     def _holder_record(self) -> bytes:
         since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
@@ -131,7 +140,7 @@ class RunDirectory:
             os.write(fd, self._holder_record())
             os.close(fd)
             self._exclusive_file = True
-            (self.path / FAILED_FILE).unlink(missing_ok=True)
+            self._clear_marks()
             return
         raise self._held_error(lock)
 
@@ -152,13 +161,23 @@ class RunDirectory:
             committed: whether the directory holds a committed checkpoint (of this
                 run or an earlier one).
         """
+        if not self._mark(FAILED_FILE, message, committed):
+            return f"Removed the run directory {self.path} (nothing was saved in it)."
+        return f"Marked {self.path} as failed ({FAILED_FILE}); its checkpoints are kept."
+
+    def interrupt(self, message: str, *, committed: bool) -> bool:
+        """Like `fail` after Ctrl-C, marking INTERRUPTED; returns whether the directory was kept."""
+        return self._mark(INTERRUPTED_FILE, message, committed)
+
+    def _mark(self, mark: str, message: str, committed: bool) -> bool:
+        """Removes a directory this run created if nothing is committed, else writes `mark`; releases the lock."""
         if self.created and not committed:
             self.release()
             shutil.rmtree(self.path, ignore_errors=True)
-            return f"Removed the run directory {self.path} (nothing was saved in it)."
+            return False
         try:
-            (self.path / FAILED_FILE).write_text(message.rstrip() + "\n", "utf-8")
+            (self.path / mark).write_text(message.rstrip() + "\n", "utf-8")
         except OSError:
             pass
         self.release()
-        return f"Marked {self.path} as failed ({FAILED_FILE}); its checkpoints are kept."
+        return True

@@ -47,6 +47,7 @@ from axcore.sharding import batch_sharding, check_batch_size, make_mesh, paramet
 from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.memory_check import check_compiled_memory, check_state_memory
 from axcore.generation import Generator, Sampling
+from axcore.trainer.interrupt import InterruptGuard, RunInterrupted, abort, interrupted, resume_command
 from axcore.trainer.run_dir import RunDirectory, RunDirectoryError
 from axcore.trainer.learner import (
     apply_state_updates,
@@ -140,9 +141,15 @@ class Trainer:
         stream: TextIO | None = None,
         out: TextIO | None = None,
         devices: Sequence[Any] | None = None,
+        command: Sequence[str] | None = None,
     ):
-        """`devices`: the devices of the mesh (`mesh.mesh_shape` over them); None = all of JAX's."""
+        """`devices`: the devices of the mesh (`mesh.mesh_shape` over them); None = all of JAX's.
+
+        `command`: the words that started the run (`axcore train ...`), repeated in the
+        resume line after Ctrl-C; None = resume from the run directory's config.yaml.
+        """
         self.experiment = experiment
+        self.command = command
         self.cfg = experiment.config
         # Progress and logs (only process 0 of a multi-process job shows them).
         self.stream = stream or sys.stderr if is_primary() else io.StringIO()
@@ -421,10 +428,14 @@ class Trainer:
         train_step = self._compile_train_step()
         run_dir = self._lock_run_dir()
         backend = None
+        # Ctrl-C in the training loop saves the step and stops (single process; see axcore/trainer/interrupt.py).
+        self._interrupt = InterruptGuard(jax.process_count() == 1, on_abort=lambda: self._abort(run_dir, backend))
         try:
             self._save_config()
             backend = make_checkpoint_backend(tcfg.checkpoint, self.experiment.registries, self.run_dir / "checkpoints")
             return self._train(backend, train_step, train_iter, eval_iter)
+        except KeyboardInterrupt as e:  # Marked INTERRUPTED, not FAILED; the error's line says how to resume.
+            raise self._interrupted(run_dir, e) from None
         except BaseException as e:
             if is_primary():
                 # Anything in checkpoints/ (even an unfinished save) keeps the directory, marked FAILED.
@@ -434,6 +445,21 @@ class Trainer:
             raise
         finally:
             run_dir.release()
+
+    def _has_checkpoint(self) -> bool:
+        """Whether checkpoints/ holds anything (even an unfinished save), which keeps the run directory."""
+        checkpoints = self.run_dir / "checkpoints"
+        return checkpoints.is_dir() and any(checkpoints.iterdir())
+
+    def _interrupted(self, run_dir: RunDirectory, error: KeyboardInterrupt) -> RunInterrupted:
+        """Marks the run INTERRUPTED (see axcore/trainer/interrupt.py); the error to raise."""
+        resume = resume_command(self.command, self.run_dir, bool(self.cfg.trainer.run_dir))
+        return interrupted(run_dir, error, self._has_checkpoint(), resume, jax.process_count() > 1, is_primary())
+
+    def _abort(self, run_dir: RunDirectory, backend) -> None:
+        """A second Ctrl-C: marks the run and says what it resumes from; InterruptGuard then exits (status 130)."""
+        resume = resume_command(self.command, self.run_dir, bool(self.cfg.trainer.run_dir))
+        abort(run_dir, backend, self._has_checkpoint(), resume, is_primary())
 
     def _train(self, backend, train_step, train_iter, eval_iter) -> TrainResult:
         tcfg = self.cfg.trainer
@@ -446,15 +472,17 @@ class Trainer:
             state, start = None, 0
             ckpt = tcfg.checkpoint
             if ckpt.restore_step is not None or (ckpt.resume and backend.latest_step() is not None):
-                from axcore.checkpoint.base import restore_verified  # Falls back to the latest step that verifies.
+                # Falls back to the latest step that verifies; a parameters-only step (an import) gets a fresh optimizer.
+                from axcore.trainer.resume import restore_train_state
 
                 report = lambda line: print(line, file=self.stream)  # noqa: E731
                 started = time.perf_counter()
-                state, metadata, _ = restore_verified(backend, self.abstract_state(), ckpt.restore_step, report=report)
+                state, metadata, params_only = restore_train_state(self, backend, ckpt.restore_step, report)
                 train_iter.set_state(metadata["input"])
                 start = int(state["step"])
+                fresh = "parameters only, optimizer state initialized; " if params_only else ""
                 print(
-                    f"Resumed from step {start} in {self.run_dir} (restored in {time.perf_counter() - started:.2f} s)",
+                    f"Resumed from step {start} in {self.run_dir} ({fresh}restored in {time.perf_counter() - started:.2f} s)",
                     file=self.stream,
                 )
             # Metrics of steps after the restored one (logged before a crash) are dropped: they are redone.
@@ -469,15 +497,17 @@ class Trainer:
             # Loss and gradient norm (on the device) of each step since the last fetch.
             unchecked: list[tuple[int, tuple[jax.Array, jax.Array]]] = []
             interval_start, fetched_step = time.perf_counter(), start
+            self._interrupt.install()
             for step in range(start + 1, tcfg.max_steps + 1):
                 batch = place_batch(next(train_iter), self.batch_sharding)
                 state, metrics = train_step(state, batch)
                 watchdog.beat(step)
                 unchecked.append((step, (metrics["loss"], metrics["grad_norm"])))
                 last = step == tcfg.max_steps
+                stop = self._interrupt.requested  # Ctrl-C: this step is fetched, checked and saved, then the run stops.
                 evaluate = bool(tcfg.eval_every) and (step % tcfg.eval_every == 0 or last)
                 every = tcfg.checkpoint.every_n_steps
-                save = bool(every and step % every == 0) or last
+                save = bool(every and step % every == 0) or last or stop
                 if not (step % tcfg.log_every == 0 or evaluate or save or last):
                     continue  # No host sync: the device runs ahead.
                 checks, metrics = jax.device_get(([c for _, c in unchecked], metrics))
@@ -497,11 +527,15 @@ class Trainer:
                 if save:
                     watchdog.beat(step, "checkpoint save")
                     backend.save(step, state, {"input": train_iter.state(), "step": step})
+                if stop:
+                    backend.wait()  # Committed (a second Ctrl-C aborts the wait and the save).
+                    raise RunInterrupted(step=step, saved=True)
                 interval_start = time.perf_counter()  # Eval and saving do not count as step time.
                 watchdog.beat(step)
             watchdog.beat(activity="waiting for checkpoint writes")
             backend.wait()
         finally:
+            self._interrupt.uninstall()
             watchdog.stop()  # Nothing fires after training.
             if progress is not None:
                 progress.close()
@@ -509,7 +543,10 @@ class Trainer:
             backend.close()
         metrics_file = self.run_dir / JsonlWriterFactory.FILENAME
         if metrics_file.exists() and is_primary():
-            plot_loss_curve(metrics_file, self.run_dir / "loss.png")
+            plot_loss_curve(
+                metrics_file, self.run_dir / "loss.png", run_name=self.run_dir.name, experiment=self.cfg.name,
+                token_unit=self.tokenizer.token_unit,
+            )
         sample = self._sample(state["params"])
         return TrainResult(self.run_dir, int(state["step"]), train_loss, eval_loss, sample)
 

@@ -24,10 +24,16 @@ def _target():
 def test_layout_is_orbax_items_plus_json_and_a_commit_marker(tmp_path):
     with orbax(tmp_path) as backend:
         backend.save(3, _state(1), {"position": 7})
-    assert sorted(os.listdir(tmp_path / "3")) == ["_CHECKPOINT_METADATA", "commit_success.txt", "meta", "state"]
+    assert sorted(os.listdir(tmp_path / "3")) == [
+        "_CHECKPOINT_METADATA", "checksums", "commit_success.txt", "meta", "state"
+    ]
     meta = json.loads((tmp_path / "3" / "meta" / "metadata").read_text())
     assert meta["metadata"] == {"position": 7}
     assert {e["path"] for e in meta["index"]} == {"['n']", "['w']"}
+    assert meta["checksums_item"] == {"name": "checksums", "processes": 1} and "checksums" not in meta
+    assert sorted(os.listdir(tmp_path / "3" / "checksums")) == ["commit_success.txt", "process_0.json"]
+    pieces = json.loads((tmp_path / "3" / "checksums" / "process_0.json").read_text())["pieces"]
+    assert pieces["['w']"] == [{"index": [[0, 4], [0, 3]], "mix32": pieces["['w']"][0]["mix32"]}]
     assert not [f for _, _, files in os.walk(tmp_path) for f in files if f.endswith((".pkl", ".pickle"))]
 
 

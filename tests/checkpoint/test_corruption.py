@@ -242,5 +242,5 @@ def test_trainer_resumes_from_the_previous_step_when_the_latest_is_corrupt(tmp_p
     Trainer(load_experiment(None, [*args, "trainer.max_steps=5"]), stream=stream).run()
     out = stream.getvalue()
     assert re.search(r"^Checkpoint step 4 failed verification \(\S+ in arrays/\S+ does not match its checksum\); "
-                     r"restoring step 2\.$", out, re.M), out
+                     r"moved it aside to checkpoints/step_00000004\.corrupt-\S+; restoring step 2\.$", out, re.M), out
     assert f"Resumed from step 2 in {tmp_path}" in out

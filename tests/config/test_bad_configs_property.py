@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from axcore import cli
 from axcore.config import REQUIRED, ConfigBase
 from axcore.config.base import DType
-from axcore.config.constraints import Matches, MaxLength, Range, _split
+from axcore.config.constraints import Floating, Matches, MaxLength, Range, Size, _split
 from axcore.experiment import ExperimentConfig, load_experiment
 
 # Bad configs per test; the two tests together run more than 1,000 (the floor).
@@ -83,6 +83,9 @@ def _bad_values(annotation) -> st.SearchStrategy | None:
                 options.append(st.integers(min_value=int(math.ceil(c.lt)), max_value=10**20))
             if c.le is not None:
                 options.append(st.integers(min_value=int(math.floor(c.le)) + 1, max_value=10**20))
+        if isinstance(c, Size) and tp is int:  # Past either end, up to 2**63 (past int64 too).
+            options.append(st.integers(min_value=-(2**63), max_value=c.minimum - 1))
+            options.append(st.integers(min_value=c.limit + 1, max_value=2**63))
         if isinstance(c, MaxLength):
             options.append(st.just("r" * (c.limit + 1)))
         if isinstance(c, Matches):
@@ -95,6 +98,8 @@ def _bad_values(annotation) -> st.SearchStrategy | None:
         options.append(st.sampled_from([2, "maybe", [True]]))
     elif tp is DType:
         options.append(st.sampled_from(["str", "object", "complex64", "<U4", "notadtype", "float33"]))
+        if Floating in constraints:
+            options.append(st.sampled_from(["int8", "int32", "uint8", "bool"]))
     elif isinstance(tp, type) and issubclass(tp, enum.Enum):
         options.append(st.sampled_from(["no-such-choice", 3, [1]]))
     elif tp is str and not constraints:
@@ -237,7 +242,7 @@ def test_the_generator_covers_every_declared_range():
         ("trainer.sample.temperature=.nan", "'trainer.sample.temperature' must be a finite number, got nan."),
         ("trainer.eval_every=-1", "'trainer.eval_every' must be >= 0, got -1."),
         ("trainer.log_every=0", "'trainer.log_every' must be > 0, got 0."),
-        ("model.dim=0", "'model.dim' must be > 0, got 0."),
+        ("model.dim=0", "'model.dim' must be an integer from 1 to 1048576 ("),
         ("trainer.seed=99999999999999999999", "'trainer.seed' must be >= 0 and < 4.29497e+09"),
         ("model.param_dtype=str", "'model.param_dtype' expects DType or None, got str 'str'."),
         ("model.position_embedding.max_len=100", "'model.position_embedding.max_len' (100) must be >= 'input.seq_len' (256)"),

@@ -5,7 +5,9 @@ import math
 import numpy as np
 import pytest
 
+from axcore.data.tokenizer import ByteTokenizer
 from axcore.observe import JsonlWriter, MetricsError, plot_loss_curve
+from axcore.observe.plot import loss_figure, save_figure
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # matplotlib's first two default line colours ("C0", "C1"), as RGB in [0, 1].
@@ -58,3 +60,62 @@ def test_plot_with_no_requested_key_is_an_error(tmp_path):
     with pytest.raises(MetricsError, match=r"none of the metrics \['train/loss', 'eval/loss'\]"):
         plot_loss_curve([{"step": 1, "train/acc": 0.5}], tmp_path / "loss.png")
     assert not (tmp_path / "loss.png").exists()
+
+
+def _numpy_ema(values, smoothing):
+    """The moving average by its recurrence, written independently of axcore's loop: NaNs skipped."""
+    values = np.asarray(values, float)
+    out = np.full_like(values, np.nan)
+    finite = np.flatnonzero(np.isfinite(values))
+    x = values[finite]
+    # Closed form of s_0 = x_0, s_k = a s_(k-1) + (1 - a) x_k:  s_k = a^k x_0 + (1 - a) sum_{1<=j<=k} a^(k-j) x_j.
+    k = np.arange(len(x))
+    weights = (1 - smoothing) * smoothing ** (k[:, None] - k[None, :]) * (k[:, None] >= k[None, :])
+    weights[:, 0] = smoothing ** k  # x_0 starts the average with weight 1, decayed since.
+    out[finite] = weights @ x
+    return out
+
+
+def test_the_figure_names_its_units_and_run_and_draws_the_moving_average_over_the_raw_curve(tmp_path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "metrics.jsonl"
+    raw = {}
+    with JsonlWriter(path) as writer:
+        for record in _records():
+            noisy = record["train/loss"] + float(rng.normal(0, 0.3))  # One batch's loss: noisy.
+            raw[record["step"]] = noisy
+            writer.write(record["step"], {**{k: v for k, v in record.items() if k != "step"}, "train/loss": noisy})
+        writer.write(201, {"train/loss": math.nan})
+    raw[201] = math.nan
+
+    fig = loss_figure(path, run_name="default-20260101-000000", experiment="default", token_unit="byte")
+    [ax] = fig.axes
+    assert ax.get_xlabel() == "step"
+    assert ax.get_ylabel() == "loss (nats per token; 1 token = 1 byte)"
+    assert "default-20260101-000000" in ax.get_title() and "default" in ax.get_title()
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {"train/loss (raw)", "train/loss (moving average, smoothing 0.9)", "eval/loss"}
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(lines)
+    steps = sorted(raw)
+    raw_line, smooth = lines["train/loss (raw)"], lines["train/loss (moving average, smoothing 0.9)"]
+    np.testing.assert_array_equal(raw_line.get_xdata(), steps)
+    np.testing.assert_allclose(raw_line.get_ydata(), [raw[s] for s in steps])
+    expected = _numpy_ema([raw[s] for s in steps], 0.9)
+    np.testing.assert_allclose(np.asarray(smooth.get_ydata(), float), expected, rtol=1e-12, equal_nan=True)
+    assert raw_line.get_alpha() < 1 and smooth.get_linewidth() > raw_line.get_linewidth()
+    # The average is smoother than the raw curve: its step-to-step changes are much smaller.
+    assert np.nanstd(np.diff(expected)) < 0.3 * np.nanstd(np.diff([raw[s] for s in steps]))
+    evals = lines["eval/loss"]
+    assert evals.get_marker() == "o" and list(evals.get_xdata()) == list(range(25, 201, 25))
+
+    out = save_figure(fig, tmp_path / "loss.png")
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_a_default_tokenizer_run_labels_its_tokens_as_bytes(tmp_path):
+    """The trainer's loss.png: title with the run directory and experiment, tokens are bytes (the default)."""
+    assert ByteTokenizer().token_unit == "byte"
+    fig = loss_figure(_records(), run_name="r", token_unit=ByteTokenizer().token_unit)
+    assert fig.axes[0].get_ylabel() == "loss (nats per token; 1 token = 1 byte)"
+    assert fig.axes[0].get_title() == "r"
+    assert loss_figure(_records()).axes[0].get_ylabel() == "loss (nats per token)"

@@ -64,3 +64,23 @@ def test_generated_plugins_install_and_pass_their_tests(tmp_path):
     for directory in packages:  # One session each: every package's pytest.ini_options name its plugin.
         out = _run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=directory)
         assert " passed" in out and "failed" not in out and "error" not in out, out
+
+
+def test_a_feature_plugin_says_nothing_it_does_not_do(tmp_path):
+    """The feature scaffold used to call every plugin a logit soft-cap and link a placeholder URL."""
+    directory = tmp_path / "axcore-my-feature"
+    assert main(["new-plugin", "my_feature", "--directory", str(directory)]) == 0
+    texts = {p.relative_to(directory).as_posix(): p.read_text() for p in directory.rglob("*") if p.is_file()}
+    assert set(texts) == {
+        "pyproject.toml", "README.md", "axcore_my_feature/__init__.py", "axcore_my_feature/plugin.py",
+        "tests/test_my_feature.py",
+    }
+    for path, text in texts.items():
+        for word in ("soft-cap", "softcap", "soft cap", "logit", "github.com/", "://"):
+            assert word not in text.lower(), f"{path} says {word!r}"
+    # The one-line description is built from the name and is a TODO the README tells the author to fill.
+    summary = "My feature: an axcore feature plugin (TODO: say what it does, in one line)."
+    assert f'description = "{summary}"' in texts["pyproject.toml"]
+    assert texts["README.md"].splitlines()[2] == summary
+    assert "TODO: replace the line above" in texts["README.md"]
+    assert texts["axcore_my_feature/__init__.py"] == f'"""{summary}"""\n'

@@ -238,7 +238,7 @@ def test_drop_records_after(tmp_path):
 
 def test_a_model_that_cannot_fit_is_refused_before_anything_exists(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    overrides = [*tiny.TINY, "model.dim=1000000000", "model.vocab_size=1024", "trainer.max_steps=1"]
+    overrides = [*tiny.TINY, "model.dim=1048576", "model.vocab_size=1024", "trainer.max_steps=1"]  # Width's bound, 2**20.
     assert cli.main(_argv(overrides)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("axcore: error: The train state (parameters and optimizer state) needs ")

@@ -6,8 +6,9 @@ finds the converter registered for its `model_type` (hook
 
     OUT/experiment.yaml         the experiment that builds the architecture (edit and train it)
     OUT/config.yaml, config.txt the resolved experiment, as `axcore train` saves it (run_dir: OUT)
-    OUT/checkpoints/0/          a committed train state: the imported parameters (float32),
-                                a fresh optimizer state, step 0
+    OUT/checkpoints/0/          a committed parameters-only checkpoint, step 0: the imported
+                                parameters (float32) and no optimizer state (`save_model`);
+                                training initializes the optimizer when it first resumes
     OUT/hf/                     the source config.json and tokenizer files, kept for export
 
 so `axcore train OUT/config.yaml` fine-tunes from it and `axcore generate OUT` /

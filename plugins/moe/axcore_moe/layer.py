@@ -39,7 +39,7 @@ from typing import Annotated, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED, InstantiableConfig, NonNegative, Positive
+from axcore.config import REQUIRED, InstantiableConfig, NonNegative, Positive, Width
 from axcore.errors import ConfigError
 from axcore.kernels import current_environment, op_environment
 from axcore.layers import BaseLayer, FeedForward, with_fields
@@ -77,13 +77,13 @@ class MixtureOfExperts(BaseLayer):
         """Configures MixtureOfExperts."""
 
         # Model dimension (input and output).
-        input_dim: Annotated[int, Positive] = REQUIRED
+        input_dim: Annotated[int, Width] = REQUIRED
         # Hidden dimension of each expert (set on the expert template's hidden_dim).
-        hidden_dim: Annotated[int, Positive] = REQUIRED
+        hidden_dim: Annotated[int, Width] = REQUIRED
         # Number of experts.
-        num_experts: Annotated[int, Positive] = 8
+        num_experts: Annotated[int, Width] = 8
         # Number of experts each token is routed to.
-        top_k: Annotated[int, Positive] = 2
+        top_k: Annotated[int, Width] = 2
         # Template of one expert: a layer `[..., input_dim] -> [..., input_dim]` with
         # input_dim and hidden_dim fields (e.g. feed_forward, or swiglu's gated_feed_forward); this layer
         # sets both, and stacks its parameters on a leading "expert" axis.

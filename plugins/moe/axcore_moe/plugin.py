@@ -15,7 +15,7 @@ carried over, so e.g. swiglu's gated feed-forward gives SwiGLU experts):
 from __future__ import annotations
 
 from typing import Annotated
-from axcore.config import NonNegative, Positive, get_path, is_config_of, replace
+from axcore.config import Depth, NonNegative, Positive, Width, get_path, is_config_of, replace
 from axcore import REQUIRED, ConfigBase, hookimpl
 from axcore.errors import ConfigError
 from axcore.layers import RepeatedTransformer, StackedTransformer
@@ -26,11 +26,11 @@ class MoESettings(ConfigBase):
     """Settings of the moe plugin (the experiment's `moe:` section)."""
 
     # Replace the feed-forward of every `every`-th layer (layers every-1, 2*every-1, ...).
-    every: Annotated[int, Positive] = 2
+    every: Annotated[int, Depth] = 2
     # Number of experts per MoE layer.
-    num_experts: Annotated[int, Positive] = 8
+    num_experts: Annotated[int, Width] = 8
     # Number of experts each token is routed to.
-    top_k: Annotated[int, Positive] = 2
+    top_k: Annotated[int, Width] = 2
     # Expert slots per sequence: ceil(capacity_factor * seq * top_k / num_experts); null never drops.
     capacity_factor: Annotated[float, Positive] | None = 1.25
     # Weight of the load-balancing loss.

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axcore.config import ConfigBase, InstantiableConfig, Positive, Range
+from axcore.config import ConfigBase, InstantiableConfig, Length, Positive, Range
 from axcore.errors import ConfigError
 from axcore.layers import PositionEmbedding
 
@@ -70,7 +70,7 @@ class RotarySettings(ConfigBase):
     # llama3/yarn: ratio of the extended to the original context length.
     scaling_factor: Annotated[float, Positive] = 8.0
     # llama3/yarn: context length the model was originally trained with.
-    original_max_len: Annotated[int, Positive] = 8192
+    original_max_len: Annotated[int, Length] = 8192
     # llama3: wavelengths above original_max_len / low_freq_factor are divided by scaling_factor.
     low_freq_factor: Annotated[float, Positive] = 1.0
     # llama3: wavelengths below original_max_len / high_freq_factor are kept.

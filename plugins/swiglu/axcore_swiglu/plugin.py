@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Annotated
 import math
 
-from axcore.config import Positive, is_config_of, replace
+from axcore.config import Positive, Width, is_config_of, replace
 from axcore import REQUIRED, ConfigBase, hookimpl
 from axcore.errors import ConfigError
 from axcore.layers import Activation, FeedForward
@@ -36,7 +36,7 @@ class SwiGLUSettings(ConfigBase):
     # Scale applied to every FFN's hidden_dim (2/3 keeps the dense parameter count); None = keep.
     hidden_dim_multiplier: Annotated[float, Positive] | None = None
     # The scaled hidden_dim is rounded up to a multiple of this.
-    hidden_dim_multiple_of: Annotated[int, Positive] = 64
+    hidden_dim_multiple_of: Annotated[int, Width] = 64
 
 
 def gated_hidden_dim(hidden_dim: int, multiplier: float, multiple_of: int) -> int:

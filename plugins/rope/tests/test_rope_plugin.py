@@ -31,7 +31,7 @@ from axcore.trainer.trainer import Trainer
 from axcore_rope import RotaryEmbedding, plugin
 import tiny
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 SLOT = "model.decoder.layer.self_attention.position_embedding"
 TINY = tiny.TINY
 

@@ -12,7 +12,7 @@ from axcore.observe import read_jsonl_metrics
 from axcore.trainer.trainer import Trainer
 import tiny
 
-GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
+GOLDEN = pathlib.Path(__file__).resolve().parents[3] / "tests" / "golden"
 FIXED_MESH = "mesh.instance_type=cpu-1"
 # As in tests/trainer/test_trainer.py, without sampling or evaluation.
 # Metrics are fetched every step (log_every=1), so each step writes a record.

@@ -1,0 +1,85 @@
+"""Resuming training from a checkpoint: a full train state, or parameters only (an import).
+
+A *parameters-only* checkpoint holds the tree `{"params": ...}` and the metadata
+`params_only_metadata(step, seed)`: `{"params_only": true, "step": N, "seed": S, "input":
+{"epoch": 0, "position": 0}}`. It is what `axcore.run_loading.save_model` (and so
+`axcore convert hf-to-axcore`) writes: no optimizer moments, which are a fresh optimizer's
+zeros anyway, so the checkpoint is a third of a train state's size and loading it for
+inference reads nothing but the weights.
+
+`restore_train_state` restores the full train state; when that fails and the step is a
+parameters-only checkpoint, it restores the parameters (checksums verified as always)
+and builds the rest as a fresh run would: the optimizer state of `optimizer.init(params)`
+(its step count at 0), `step` from the metadata and the PRNG key of the metadata's seed.
+The first save after that writes a full train state. A train state whose optimizer state
+does not match (a changed optimizer config) still fails with its own error: only a step
+whose metadata says `params_only` is resumed without its optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from axcore.checkpoint import CheckpointError, CheckpointNotFoundError, restore_verified
+
+# Metadata key marking a parameters-only checkpoint.
+PARAMS_ONLY = "params_only"
+
+
+def params_only_metadata(step: int, seed: int) -> dict:
+    """The metadata of a parameters-only checkpoint of `step` whose PRNG key comes from `seed`."""
+    return {PARAMS_ONLY: True, "step": int(step), "seed": int(seed), "input": {"epoch": 0, "position": 0}}
+
+
+def restore_train_state(
+    trainer: Any, backend: Any, step: int | None, report: Callable[[str], None]
+) -> tuple[dict, dict, bool]:
+    """`(state, metadata, params_only)`: the train state of `step` (None: the latest that verifies).
+
+    `trainer` is the `Trainer` resuming (its `abstract_state()`, `optimizer` and
+    `state_shardings`). Lines from `restore_verified` (steps skipped) go to `report`,
+    only for the attempt that succeeds.
+
+    Raises:
+        CheckpointNotFoundError: no committed step (or not `step`).
+        CheckpointError: the full train state does not restore and the step is not a
+            parameters-only checkpoint (that error), or it is one whose parameters do
+            not match the model or fail verification (the parameters' error).
+    """
+    abstract = trainer.abstract_state()
+    held: list[str] = []
+    try:
+        state, metadata, _ = restore_verified(backend, abstract, step, report=held.append, set_aside=True)
+    except CheckpointNotFoundError:
+        raise
+    except CheckpointError as full_error:
+        held = []
+        restored, metadata, restored_step = restore_verified(
+            backend, {"params": abstract["params"]}, step, report=held.append, partial=True
+        )
+        if not metadata.get(PARAMS_ONLY):
+            raise full_error from None  # A train state that does not fit (e.g. another optimizer).
+        seed = metadata.get("seed", trainer.cfg.trainer.seed)
+        state = fresh_train_state(trainer, restored["params"], metadata.get("step", restored_step), seed)
+        for line in held:
+            report(line)
+        return state, metadata, True
+    for line in held:
+        report(line)
+    return state, metadata, False
+
+
+def fresh_train_state(trainer: Any, params: Any, step: int, seed: int) -> dict:
+    """The train state of `params` with a fresh optimizer state, `step` and the key of `seed`."""
+    shardings = trainer.state_shardings
+    key = jax.random.key_data(jax.random.key(seed))
+    return {
+        "params": params,
+        "opt_state": jax.jit(trainer.optimizer.init, out_shardings=shardings["opt_state"])(params),
+        "step": jax.device_put(jnp.asarray(step, jnp.int32), shardings["step"]),
+        "prng_key": jax.device_put(key, shardings["prng_key"]),
+    }
