@@ -37,7 +37,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import pairwise_ratio, summarize, timed, write_result
+from benchmarks.common import adamw_like_state, decoder_param_shapes, pairwise_ratio, summarize, timed, write_result
 
 NAME = "checkpoint_io"
 BACKENDS = ("orbax", "tensorstore")
@@ -47,39 +47,12 @@ THROUGHPUT_TARGET = 0.70
 
 def param_shapes(smoke: bool) -> dict[str, tuple[int, ...]]:
     """Parameter shapes of the benchmark state (d=1024, 2 layers; d=64 in smoke mode: ~4 MB in all)."""
-    d, vocab, layers = (64, 4096, 2) if smoke else (1024, 8192, 2)
-    shapes: dict[str, tuple[int, ...]] = {"embedding": (vocab, d), "final_norm": (d,)}
-    for i in range(layers):
-        for name in ("wq", "wk", "wv", "wo"):
-            shapes[f"layer{i}/attention/{name}"] = (d, d)
-        shapes[f"layer{i}/ffn/w_in"] = (d, 4 * d)
-        shapes[f"layer{i}/ffn/w_out"] = (4 * d, d)
-        shapes[f"layer{i}/norm1"] = (d,)
-        shapes[f"layer{i}/norm2"] = (d,)
-    return shapes
+    return decoder_param_shapes(*((64, 4096, 2) if smoke else (1024, 8192, 2)))
 
 
 def make_state(smoke: bool, seed: int = 0) -> dict[str, Any]:
     """The train state: params, AdamW-like mu/nu of the same shapes, step (see module docstring)."""
-    import jax
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    device = jax.local_devices()[0]
-
-    def tree() -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for path, shape in param_shapes(smoke).items():
-            node = out
-            *parents, leaf = path.split("/")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[leaf] = jax.device_put(rng.standard_normal(shape, dtype=np.float32), device)
-        return out
-
-    state = {"params": tree(), "opt_state": {"mu": tree(), "nu": tree()}}
-    state["step"] = jax.device_put(np.asarray(1000, np.int32), device)
-    return jax.block_until_ready(state)
+    return adamw_like_state(param_shapes(smoke), seed)
 
 
 def _abstract(state: Any) -> Any:

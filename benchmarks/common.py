@@ -78,3 +78,40 @@ def write_result(name: str, data: Mapping[str, Any], *, results_dir: pathlib.Pat
     payload = {"benchmark": name, "machine": machine_info(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **data}
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def decoder_param_shapes(d: int, vocab: int, layers: int) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes (`"layer0/attention/wq": (d, d)`, ...) of a plain decoder of width `d`."""
+    shapes: dict[str, tuple[int, ...]] = {"embedding": (vocab, d), "final_norm": (d,)}
+    for i in range(layers):
+        for name in ("wq", "wk", "wv", "wo"):
+            shapes[f"layer{i}/attention/{name}"] = (d, d)
+        shapes[f"layer{i}/ffn/w_in"] = (d, 4 * d)
+        shapes[f"layer{i}/ffn/w_out"] = (4 * d, d)
+        shapes[f"layer{i}/norm1"] = (d,)
+        shapes[f"layer{i}/norm2"] = (d,)
+    return shapes
+
+
+def adamw_like_state(shapes: Mapping[str, tuple[int, ...]], seed: int = 0) -> dict[str, Any]:
+    """A train state on the first local device: params, AdamW-like mu/nu of the same shapes
+    (float32, standard normal), and an int32 step; nested dicts by the '/' of the paths."""
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    device = jax.local_devices()[0]
+
+    def tree() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for path, shape in shapes.items():
+            node = out
+            *parents, leaf = path.split("/")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = jax.device_put(rng.standard_normal(shape, dtype=np.float32), device)
+        return out
+
+    state = {"params": tree(), "opt_state": {"mu": tree(), "nu": tree()}}
+    state["step"] = jax.device_put(np.asarray(1000, np.int32), device)
+    return jax.block_until_ready(state)

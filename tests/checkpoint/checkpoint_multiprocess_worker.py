@@ -7,11 +7,10 @@ over the 8 devices, then restores them into other shardings; prints `RESULT
 """
 
 import os
-import sys
-import traceback
 
 import jax
 import numpy as np
+from two_process_job import worker_main
 
 
 def check(name, directory):
@@ -56,18 +55,5 @@ def check(name, directory):
     backend.close()
 
 
-def main():
-    process_id, port, directory, names = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-    for name in names:
-        try:
-            check(name, directory)
-            print(f"RESULT {name} OK", flush=True)
-        except Exception:
-            print(f"RESULT {name} FAIL {traceback.format_exc()!r}", flush=True)
-    jax.distributed.shutdown()
-
-
 if __name__ == "__main__":
-    main()
+    worker_main(check)

@@ -4,53 +4,19 @@ Both must restore the same older step, name the same moved directory (process 0
 renames it; the others wait for the rename), and then save the step afresh.
 """
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from two_process_job import run_job
 
 WORKER = Path(__file__).with_name("checkpoint_set_aside_worker.py")
 BACKENDS = ["orbax", "tensorstore"]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    directory, port = tmp_path_factory.mktemp("set_aside"), _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(i), str(port), str(directory), *BACKENDS],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=150)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    by_key = {}
-    for i, out in enumerate(outputs):
-        for line in out.splitlines():
-            if line.startswith("RESULT "):
-                _, name, rest = line.split(" ", 2)
-                by_key[(i, name)] = rest
+    directory = tmp_path_factory.mktemp("set_aside")
+    by_key, outputs = run_job(WORKER, directory, BACKENDS)
     return by_key, outputs, directory
 
 
