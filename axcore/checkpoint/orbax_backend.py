@@ -42,7 +42,11 @@ from axcore.checkpoint.base import CheckpointError, PyTree
 
 log = logging.getLogger(__name__)
 
-_FORMAT = "axcore.orbax/1"
+# The format written: /2 keeps the arrays' checksums in the `checksums` item. /1 steps (CRC32s in
+# `meta`) still restore; an axcore that knows only /1 refuses a /2 step instead of restoring
+# it unverified.
+_FORMAT = "axcore.orbax/2"
+_READABLE = ("axcore.orbax/1", _FORMAT)
 _STATE, _META = "state", "meta"
 
 
@@ -179,7 +183,11 @@ class OrbaxBackend:
         except Exception as e:
             why = f"{meta_file} is unreadable: {_verify.cause(e)}"
             raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why) from None
-        if not isinstance(meta, dict) or meta.get("format") != _FORMAT or not isinstance(meta.get("index"), list):
+        found = meta.get("format") if isinstance(meta, dict) else None
+        if isinstance(found, str) and found.startswith("axcore.orbax/") and found not in _READABLE:
+            why = f"{meta_file} has format {found!r}, newer than this axcore reads ({', '.join(_READABLE)})"
+            raise CheckpointError(f"Checkpoint {where} was written by a newer axcore: {why}; upgrade axcore.", reason=why)
+        if found not in _READABLE or not isinstance(meta.get("index"), list):
             why = f"{meta_file} is not an axcore orbax index"
             raise CheckpointError(
                 f"Checkpoint {where} was not written by axcore's orbax backend (no '{_META}' index).", reason=why

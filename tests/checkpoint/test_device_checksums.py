@@ -157,6 +157,7 @@ def test_orbax_steps_with_crc32_in_meta_still_verify(tmp_path):
     meta_file = tmp_path / "1" / "meta" / "metadata"
     meta = json.loads(meta_file.read_text())
     del meta["checksums_item"]
+    meta["format"] = "axcore.orbax/1"
     meta["checksums"] = {
         f"['{k}']": [{"index": [[0, d] for d in x.shape], "crc32": zlib.crc32(np.asarray(x).tobytes())}]
         for k, x in state.items()
@@ -197,3 +198,23 @@ def test_orbax_piece_of_an_unknown_algorithm_is_not_trusted(tmp_path):
     path.write_text(json.dumps(record))
     with BACKENDS["orbax"](tmp_path) as backend, pytest.raises(CheckpointError, match="does not match its checksum"):
         backend.restore(_target(state))
+
+
+def test_orbax_steps_say_their_format_and_a_newer_one_is_refused_in_one_line(tmp_path):
+    """New steps are format /2 (checksums in their own item), which an axcore knowing only /1 refuses."""
+    state = _orbax_state()
+    with BACKENDS["orbax"](tmp_path) as backend:
+        backend.save(1, state, {})
+        backend.save(2, state, {})
+    assert json.loads((tmp_path / "1" / "meta" / "metadata").read_text())["format"] == "axcore.orbax/2"
+    meta_file = tmp_path / "2" / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    meta["format"] = "axcore.orbax/3"
+    meta_file.write_text(json.dumps(meta))
+    with BACKENDS["orbax"](tmp_path) as backend:
+        with pytest.raises(CheckpointError) as info:
+            backend.restore(_target(state), 2)
+        assert "newer axcore" in str(info.value) and "axcore.orbax/3" in str(info.value) and "\n" not in str(info.value)
+        lines = []
+        _, _, step = restore_verified(backend, _target(state), report=lines.append)
+        assert step == 1 and "axcore.orbax/3" in lines[0]
