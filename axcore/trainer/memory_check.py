@@ -6,7 +6,8 @@ memory shared by the local CPU devices):
 
 1. `check_state_memory`, before compiling: the train state's bytes per device
    (each array's shard shape under its sharding), and the host bytes of one batch.
-   It catches a model that could never fit (e.g. `model.dim=10**9`) without
+   It catches a model that could never fit (e.g. `model.dim=1048576`, within the
+   config bounds of `axcore.config.Width` but far past any machine's memory) without
    asking XLA to compile it.
 2. `check_compiled_memory`, after compiling the train step ahead of time: XLA's
    `memory_analysis()` peak = arguments + outputs + temporaries - aliased (the same
