@@ -473,10 +473,7 @@ def load_experiment(
                 config = from_dict(nest_path(path, value), manager.registries, config, errors=errors)
             except ConfigError as e:  # E.g. a malformed path.
                 errors.append(e)
-    try:
-        settings = manager.settings(settings_raw)
-    except ConfigError as e:  # The first bad key of plugins' settings, with those above.
-        errors.append(e)
+    settings = manager.settings(settings_raw, errors=errors)  # Every bad key of plugins' settings too.
     raise_collected(errors)
     # Before the transforms: they may build in proportion to a size (one config per layer).
     check_sizes(config, settings)

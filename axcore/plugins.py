@@ -33,7 +33,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import canonicalize_name
 
 from axcore import hookspecs
-from axcore.config import ConfigBase, from_dict
+from axcore.config import ConfigBase, from_dict, raise_collected
 from axcore.entry_points import (  # Re-exported: discovery reads metadata only (axcore/entry_points.py).
     DISABLE_AUTOLOAD_ENV,
     ENTRY_POINT_GROUP,
@@ -402,12 +402,20 @@ class AxcorePluginManager:
         """Plugins whose settings and transforms apply: built-ins and those in `plugins:`."""
         return [info for info in self._infos.values() if info.enabled and info.listed]
 
-    def settings(self, raw: Mapping[str, Any] | None = None) -> dict[str, ConfigBase | None]:
+    def settings(
+        self, raw: Mapping[str, Any] | None = None, *, errors: list[ConfigError] | None = None
+    ) -> dict[str, ConfigBase | None]:
         """Each enabled plugin's settings, with `raw[plugin_name]` merged in.
 
+        `errors`: a list to collect every bad setting in (of every plugin, as
+        `from_dict(..., errors=...)` does) instead of raising the first one.
+
         Raises:
-            ConfigError: settings given for a plugin that takes none, or invalid ones.
+            ConfigError: settings given for a plugin that takes none, or invalid ones
+                (only without `errors`).
         """
+        collect = errors is not None
+        errors = errors if collect else []
         raw = dict(raw or {})
         out: dict[str, ConfigBase | None] = {}
         for info in self.listed:
@@ -415,7 +423,7 @@ class AxcorePluginManager:
             data = raw.pop(info.name, None)
             if not declared:
                 if data:
-                    raise ConfigError(f"Plugin '{info.name}' takes no settings, but '{info.name}:' has {data!r}.")
+                    errors.append(ConfigError(f"Plugin '{info.name}' takes no settings, but '{info.name}:' has {data!r}."))
                 out[info.name] = None
                 continue
             base = declared[0]
@@ -424,10 +432,12 @@ class AxcorePluginManager:
                     f"Plugin '{info.name}': axcore_settings_config returned {type(base).__name__}, not a config; "
                     f"return an instance of a ConfigBase subclass (e.g. MySettings()), not a dict."
                 )
-            out[info.name] = from_dict(data or {}, self.registries, base, path=info.name)
+            out[info.name] = from_dict(data or {}, self.registries, base, path=info.name, errors=errors)
         if raw:
             names = ", ".join(sorted(raw))
-            raise ConfigError(f"Settings given for plugin(s) not enabled: {names}; add them to `plugins:`.")
+            errors.append(ConfigError(f"Settings given for plugin(s) not enabled: {names}; add them to `plugins:`."))
+        if not collect:
+            raise_collected(errors)
         return out
 
     def transform_config(self, config: ConfigBase, settings: Mapping[str, ConfigBase | None] | None = None) -> ConfigBase:

@@ -261,3 +261,16 @@ def test_collecting_merge_keeps_the_good_keys_and_raises_a_single_error_as_itsel
     with pytest.raises(UnknownFieldError, match="did you mean 'dim'"):
         raise_collected(errors[:1])
     raise_collected([])  # Nothing collected: nothing raised.
+
+
+def test_every_bad_key_of_plugin_settings_is_reported_with_the_rest(tmp_path):
+    """Plugins' settings are merged like the rest: every unknown key of every plugin, in the same pass."""
+    path = tmp_path / "exp.yaml"
+    path.write_text("plugins: [rope, swiglu]\nrope: {thta: 10000, scalng: llama3}\nmodel: {dimm: 8}\n")
+    with pytest.raises(ConfigValidationError) as info:
+        load_experiment(str(path), ["swiglu.hiden_dim_multiple_of=8"])
+    problems = info.value.problems
+    for key, suggestion in {"rope.thta": "'theta'", "rope.scalng": "'scaling'", "model.dimm": "'dim'"}.items():
+        line = next(p for p in problems if f"'{key}'" in p)
+        assert f"(did you mean {suggestion}?)" in line, line
+    assert len(problems) == 4 and any("swiglu.hiden_dim_multiple_of" in p for p in problems), problems
