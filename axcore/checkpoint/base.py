@@ -166,7 +166,6 @@ def restore_verified(
     incomplete = getattr(backend, "incomplete_steps", lambda: [])()
     for s in sorted((s for s in incomplete if s > steps[-1]), reverse=True):
         report(f"Ignoring checkpoint step {s}: it has no commit marker (an interrupted save).")
-    failures: list[str] = []
     failed: list[tuple[int, CheckpointError]] = []  # Reported once the outcome is known.
     for s in reversed(steps):
         try:
@@ -174,7 +173,6 @@ def restore_verified(
         except CheckpointNotFoundError:
             raise
         except CheckpointError as e:
-            failures.append(f"step {s}: {e.reason}")
             failed.append((s, e))
             continue
         for (bad, e), following in zip(failed, [f for f, _ in failed[1:]] + [s]):
@@ -184,11 +182,12 @@ def restore_verified(
         return state, metadata, s
     for (bad, e), following in zip(failed, [f for f, _ in failed[1:]]):
         report(f"Checkpoint step {bad} failed verification ({_short(e.reason)}); restoring step {following}.")
+    newest = f"step {failed[0][0]}: {failed[0][1].reason}"
     raise CheckpointError(
-        f"No committed checkpoint in {getattr(backend, 'directory', 'the directory')} verifies ({_short(failures[0])}"
-        + (f"; and {len(failures) - 1} older step(s) failed too" if len(failures) > 1 else "")
+        f"No committed checkpoint in {getattr(backend, 'directory', 'the directory')} verifies ({_short(newest)}"
+        + (f"; and {len(failed) - 1} older step(s) failed too" if len(failed) > 1 else "")
         + "); set trainer.checkpoint.restore_step=N to see one step's error, or start from a fresh directory.",
-        reason=failures[0],
+        reason=newest,
     )
 
 

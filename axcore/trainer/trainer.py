@@ -439,8 +439,7 @@ class Trainer:
         except BaseException as e:
             if is_primary():
                 # Anything in checkpoints/ (even an unfinished save) keeps the directory, marked FAILED.
-                checkpoints = self.run_dir / "checkpoints"
-                committed = checkpoints.is_dir() and any(checkpoints.iterdir())
+                committed = self._has_checkpoint()
                 print(run_dir.fail(" ".join(str(e).split()) or type(e).__name__, committed=committed), file=self.stream)
             raise
         finally:

@@ -106,6 +106,20 @@ def test_optimizer_state_is_not_read(saved):
     """
     name, directory = saved
     named = set()
+    for backend, error in _each_damage(name, directory):
+        full = re.search(r"(\['opt_state'\]\S*) \[[0-9:,]+\] in .* does not match its checksum", error)
+        if full:  # Else the damage hit the parameters or a file's structure (or, orbax, bytes no longer referred to).
+            named.add(full.group(1))
+            got, _ = backend.restore(params_target(2), step=2, partial=True)
+            assert_bits_equal(got, {"params": make_state(2)["params"]})
+    assert {"['opt_state'][0]['mu']['w']", "['opt_state'][0]['nu']['w']"} <= named, named
+
+
+def _each_damage(name, directory):
+    """Damages each eighth of each data file of step 2 in turn; yields `(backend, the full restore's error or "")`.
+
+    The file is mended before the next damage; a caller that stops early leaves the last damage in place.
+    """
     for path in data_files(name, directory, 2):
         original = path.read_bytes()
         for eighth in range(8):
@@ -113,30 +127,18 @@ def test_optimizer_state_is_not_read(saved):
             with BACKENDS[name](directory) as backend:
                 try:
                     backend.restore(target_of(make_state(2)), step=2)
-                    full = None  # orbax: bytes the manifest no longer refers to.
+                    error = ""
                 except CheckpointError as e:
-                    full = re.search(r"(\['opt_state'\]\S*) \[[0-9:,]+\] in .* does not match its checksum", str(e))
-                if full:  # Else the damage hit the parameters or a file's structure.
-                    named.add(full.group(1))
-                    got, _ = backend.restore(params_target(2), step=2, partial=True)
-                    assert_bits_equal(got, {"params": make_state(2)["params"]})
+                    error = str(e)
+                yield backend, error
             path.write_bytes(original)
-    assert {"['opt_state'][0]['mu']['w']", "['opt_state'][0]['nu']['w']"} <= named, named
 
 
 def _damage_params_w(name, directory):
     """Corrupts step 2's bytes of ['params']['w'] (found as for the moments above); -> the full restore's error."""
-    for path in data_files(name, directory, 2):
-        original = path.read_bytes()
-        for eighth in range(8):
-            corrupt(path, len(original) * eighth // 8)
-            with BACKENDS[name](directory) as backend:
-                try:
-                    backend.restore(target_of(make_state(2)), step=2)
-                except CheckpointError as e:
-                    if re.search(r"\['params'\]\['w'\] \[0:64,0:64\] in .* does not match its checksum", str(e)):
-                        return str(e)
-            path.write_bytes(original)
+    for _, error in _each_damage(name, directory):
+        if re.search(r"\['params'\]\['w'\] \[0:64,0:64\] in .* does not match its checksum", error):
+            return error
     raise AssertionError("no data file holds the bytes of ['params']['w']")
 
 
