@@ -28,11 +28,10 @@ import numpy as np
 
 from axcore.config import ConfigBase, InstantiableConfig, Length, Seed
 from axcore.data.errors import DataError
+from axcore.data.schema import PAD_LABEL
 from axcore.data.sources import DataSource, EmbeddedCorpus, Split, as_split
 from axcore.data.tokenizer import Tokenizer
 
-# `target_labels` of padding rows; the loss ignores labels < 0.
-PAD_LABEL = -1
 
 
 class BatchIterator:

@@ -10,6 +10,8 @@ against `Tokenizer`).
 from __future__ import annotations
 
 from typing import Annotated
+import hashlib
+import json
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -53,6 +55,21 @@ class Tokenizer(Configurable):
         `encode(text)` for each.
         """
         return [np.asarray(self.encode(text)) for text in texts]
+
+    def fingerprint(self) -> dict:
+        """What identifies this tokenizer's ids: `{"name", "vocab_size", "sha256"}` (JSON-safe).
+
+        Prepared token shards record it, and training refuses shards whose fingerprint
+        differs from the experiment's tokenizer. `sha256` must change whenever the ids
+        of some text would (the vocabulary file, the special-token settings); the
+        default hashes the class name and the config.
+        """
+        identity = json.dumps([type(self).__qualname__, repr(sorted(self._config.items()))])
+        return {
+            "name": type(self).__name__,
+            "vocab_size": int(self.vocab_size),
+            "sha256": hashlib.sha256(identity.encode("utf-8")).hexdigest(),
+        }
 
     @property
     def bos_id(self) -> int | None:
