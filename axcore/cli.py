@@ -179,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate_command.add_arguments(
         sub.add_parser("generate", help="continue prompts with a run's model (KV-cache decoding)")
     )
+    from axcore import prepare_command
+
+    prepare_command.add_arguments(
+        sub.add_parser("prepare", help="tokenize a corpus once into prepared token shards (training reads those)")
+    )
     new_plugin = sub.add_parser("new-plugin", help="write a new plugin package (entry point, hooks, README, tests)")
     new_plugin.add_argument("name", help="plugin (entry-point) name, a lowercase identifier, e.g. my_feature")
     new_plugin.add_argument("--kind", choices=("feature", "hardware", "kernel", "checkpoint"), default="feature")
@@ -253,6 +258,12 @@ def _cmd_generate(args) -> int:
     return generate_command.run(args)
 
 
+def _cmd_prepare(args) -> int:
+    from axcore import prepare_command
+
+    return prepare_command.run(args)
+
+
 def _cmd_train(args) -> int:
     from axcore.experiment import load_experiment
     from axcore.trainer.trainer import Trainer
@@ -304,7 +315,21 @@ def _cmd_config(args) -> int:
     sys.stdout.write(experiment.flat())
     for op, kernels in describe_kernel_choices(experiment.kernel_choices()).items():
         sys.stdout.write(f"# kernel {op}: {kernels}\n")
+    sys.stdout.write(f"# data check: {_data_check(experiment)}\n")
     return 0
+
+
+def _data_check(experiment) -> str:
+    """"ok", or the one-line error of the input sources' cheap checks (paths exist, shard indexes and their
+    tokenizer match; `InputConfig.check`), naming the config path such as input.source.paths[0]."""
+    from axcore.errors import AxcoreError
+
+    config = experiment.config
+    try:
+        config.input.check(config.tokenizer.instantiate())
+    except AxcoreError as e:
+        return " ".join(str(e).split())
+    return "ok"
 
 
 def _cmd_plugins(args) -> int:
@@ -388,6 +413,7 @@ COMMANDS = {
     "new-plugin": _cmd_new_plugin,
     "eval": _cmd_eval,
     "generate": _cmd_generate,
+    "prepare": _cmd_prepare,
 }
 
 

@@ -31,7 +31,7 @@ from axcore.entry_points import _dist_of, autoload_disabled, installed_entry_poi
 from axcore.registry import Provenance, Registry
 
 # The `axcore` command's own sub-commands; plugins may not register these names.
-BUILTIN_COMMANDS = ("train", "config", "plugins", "compile", "loc", "new-plugin", "eval", "generate")
+BUILTIN_COMMANDS = ("train", "config", "plugins", "compile", "loc", "new-plugin", "eval", "generate", "prepare")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,7 @@ from typing import Any
 
 import jax
 
+from axcore.data.schema import BATCH_SCHEMA
 from axcore.errors import AxcoreError
 from axcore.experiment import Experiment
 
@@ -160,11 +161,7 @@ def compile_step(experiment: Experiment) -> CompiledStep:
     trainer = Trainer(experiment)
     cfg = experiment.config
     state = trainer.abstract_state()
-    batch_shape = (cfg.input.batch_size, cfg.input.seq_len)
-    batch = {
-        key: jax.ShapeDtypeStruct(batch_shape, "int32", sharding=trainer.batch_sharding)
-        for key in ("input_ids", "target_labels")
-    }
+    batch = BATCH_SCHEMA.shapes(cfg.input.batch_size, cfg.input.seq_len, trainer.batch_sharding)
     t0 = time.perf_counter()
     lowered = trainer.compiled_train_step().lower(state, batch)
     t1 = time.perf_counter()

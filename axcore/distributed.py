@@ -22,9 +22,9 @@ One process (none of the above, or N = 1) initializes nothing. `jax.distributed`
 initialized before JAX's backend starts; `load_experiment(..., distributed=...)` does it
 at the right moment (after XLA flags are set, before devices are counted).
 
-Every process runs the same program on the global arrays; the batch iterator is
-deterministic, so each process reads the same global batch and places only the rows its
-own devices hold (`place_batch`). Only process 0 writes the run's config, metrics, plots
+Every process runs the same program on the global arrays; each process reads and builds
+only the data shards its devices' rows hold and assembles the global batch from
+process-local data (`axcore.data.device_loader`). Only process 0 writes the run's config, metrics, plots
 and progress; checkpoints are written by every process (each its own shards).
 
 When a process dies, the others stop too, since none can go on alone: at once, with a
@@ -38,6 +38,7 @@ last committed checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -217,11 +218,32 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
+def allgather_json(value: Any) -> list[Any]:
+    """Every process's JSON-able `value`, in process order (a collective: all processes call it).
+
+    One process: `[value]`. Several: the JSON texts' lengths, then the padded UTF-8 bytes,
+    through `multihost_utils.process_allgather`.
+    """
+    text = json.dumps(value, sort_keys=True).encode()
+    if jax.process_count() == 1:
+        return [json.loads(text)]
+    from jax.experimental import multihost_utils
+
+    lengths = np.asarray(multihost_utils.process_allgather(np.int64(len(text)))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: len(text)] = np.frombuffer(text, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [json.loads(bytes(row[: int(n)]).decode()) for row, n in zip(gathered, lengths)]
+
+
 def place_batch(batch: Any, sharding: jax.sharding.Sharding) -> Any:
     """The global host batch (a tree of `[global_batch, ...]` arrays) as global arrays on `sharding`.
 
     With one process this is `jax.device_put`. With several, every process holds the same
     global batch and gives each of its own devices only the rows (and slices) it holds.
+    Training and evaluation do not use it: each process builds only its own rows
+    (`axcore.data.device_loader.DeviceLoader`). It places small host arrays every process
+    holds whole.
     """
     if sharding.is_fully_addressable:
         return jax.device_put(batch, sharding)
@@ -235,6 +257,7 @@ def place_batch(batch: Any, sharding: jax.sharding.Sharding) -> Any:
 
 __all__ = [
     "DistributedError",
+    "allgather_json",
     "DistributedSettings",
     "distributed_settings",
     "initialize_distributed",

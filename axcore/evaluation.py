@@ -4,30 +4,30 @@
     print(result.loss, result.perplexity)   # nats per token, exp(loss)
 
 The model is loaded with `axcore.run_loading` (its run's experiment, the step's
-parameters on the experiment's mesh), and each batch goes through the Trainer's own
-jitted eval step (`Trainer._eval_step`: the model's `forward` under the experiment's
-op environment, params and batch with the Trainer's shardings), which returns the
-summed cross-entropy of the batch's real tokens and their count.
+parameters on the experiment's mesh), and the evaluation is the trainer's own
+(`Trainer.evaluate`, `axcore.trainer.evaluate`): each batch goes through the Trainer's
+jitted eval step, the weighted cross-entropy and the weights are summed on the device
+and fetched once, and the loss is their ratio (nats per weighted target token).
 
-Data: by default the experiment's own input source, its held-out split
-(`--split validation`, also called `eval`; or `train`), tokenized with the
-experiment's tokenizer. `data` files replace it: text (`.txt`, any other suffix) or
-JSONL (`.jsonl`, field `text`) files tokenized with the experiment's tokenizer, or
-pre-tokenized token files (`.bin`, `.tokens`; uint16, or uint32 when the model's
-vocabulary exceeds 65,536). Each file is its own token stream (its text as one
-document, or its JSONL lines as documents joined as in training).
+Data: by default the experiment's own input pipeline, its eval split (`--split
+validation`, also called `eval`): one pass in order with padded rows, exactly the
+batches the trainer evaluates, so `axcore eval --max-batches N` equals the run's logged
+`eval/loss` with `trainer.eval_batches=N` (and no bound evaluates the whole split).
+`--split train` evaluates the first `--max-batches` batches of the training stream (it
+is endless, so the bound is required). `data` files replace it: text (`.txt`, any
+other suffix) or JSONL (`.jsonl`, field `text`) files tokenized with the experiment's
+tokenizer, or pre-tokenized token files (`.bin`, `.tokens`; uint16, or uint32 when
+the model's vocabulary exceeds 65,536). Each file is its own token stream (its text as
+one document, or its JSONL lines' documents one after the other).
 
-Token policy: a stream of N tokens has N - 1 targets (every token but the first,
-which has no context), and each is counted exactly once. The stream is cut into rows
-of `seq_len` targets, row r predicting tokens `r*T+1 .. r*T+T` from tokens
-`r*T .. r*T+T-1` (non-overlapping windows: a row's first targets see little
-context); the last row is shorter and its missing labels are padding (label -1,
-weight 0), and so are whole rows that pad the last batch. Nothing is dropped, unlike
-training's packed windows, which skip a stream's last partial window; so `axcore
-eval` of the eval split may differ slightly from the run's logged `eval/loss`.
-Loss = sum of the targets' cross-entropies / number of targets (over all files),
-perplexity = exp(loss). `max_batches` stops early: then only the targets of the
-batches read count, and `complete` is False.
+Token policy for files: a stream of N tokens has N - 1 targets (every token but the
+first, which has no context), and each is counted exactly once. The stream is cut into
+rows of `seq_len` targets, row r predicting tokens `r*T+1 .. r*T+T` from tokens
+`r*T .. r*T+T-1` (non-overlapping windows: a row's first targets see little context);
+the last row is shorter and its missing labels are padding (weight 0), and so are whole
+rows that pad the last batch. Loss = sum of the targets' cross-entropies / number of
+targets (over all files), perplexity = exp(loss). `max_batches` stops early: then only
+the targets of the batches read count, and `complete` is False.
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from axcore.data import PAD_LABEL, DataError, Split, TextFiles, TextFormat, TokenDtype, TokenFile
-from axcore.distributed import is_primary, place_batch
+from axcore.data.schema import BATCH_SCHEMA
+from axcore.distributed import is_primary
 from axcore.errors import AxcoreError
 from axcore.run_loading import LoadedModel, load_model_and_trainer
+from axcore.trainer.inputs import input_pipeline
 
 # `--split` names -> the source's split ("validation" is the eval split).
 SPLITS = {"validation": Split.EVAL, "eval": Split.EVAL, "train": Split.TRAIN}
@@ -87,11 +88,12 @@ class EvalResult:
 
 
 def windows(tokens: np.ndarray, seq_len: int, batch_size: int, vocab_size: int | None, where: str) -> Iterator[dict]:
-    """Batches `{"input_ids", "target_labels": int32 [batch_size, seq_len]}` covering every target once.
+    """BATCH_SCHEMA batches `[batch_size, seq_len]` covering every target once.
 
-    Row r holds inputs `tokens[r*T : r*T+T]` and labels `tokens[r*T+1 : r*T+T+1]`; the
-    last row's missing labels and the last batch's missing rows are PAD_LABEL with
-    input 0 (module docstring). `tokens` may be a memmap: only each batch's rows are read.
+    Row r holds inputs `tokens[r*T : r*T+T]` and labels `tokens[r*T+1 : r*T+T+1]` (one
+    segment, positions 0..T-1, weight 1 per label); the last row's missing labels and
+    the last batch's missing rows are padding (module docstring). `tokens` may be a
+    memmap: only each batch's rows are read.
 
     Raises:
         DataError: the stream has fewer than 2 tokens, or an id is outside [0, vocab_size).
@@ -101,8 +103,8 @@ def windows(tokens: np.ndarray, seq_len: int, batch_size: int, vocab_size: int |
         raise DataError(f"{where} holds {n} token(s); evaluation needs at least 2 (a context and a target).")
     rows = -(-(n - 1) // seq_len)
     for first in range(0, rows, batch_size):
-        input_ids = np.zeros((batch_size, seq_len), np.int32)
-        labels = np.full((batch_size, seq_len), PAD_LABEL, np.int32)
+        batch = BATCH_SCHEMA.padding(batch_size, seq_len)
+        input_ids, labels = batch["input_ids"], batch["target_labels"]
         for i, row in enumerate(range(first, min(first + batch_size, rows))):
             chunk = np.asarray(tokens[row * seq_len : row * seq_len + seq_len + 1]).astype(np.int64)
             if vocab_size is not None and chunk.size and (chunk.max() >= vocab_size or chunk.min() < 0):
@@ -113,34 +115,54 @@ def windows(tokens: np.ndarray, seq_len: int, batch_size: int, vocab_size: int |
                 )
             input_ids[i, : len(chunk) - 1] = chunk[:-1]
             labels[i, : len(chunk) - 1] = chunk[1:]
-        yield {"input_ids": input_ids, "target_labels": labels}
+        real = labels != PAD_LABEL
+        batch["target_weights"] = real.astype(np.float32)
+        batch["segment_ids"] = real.astype(np.int32)
+        batch["positions"] = np.broadcast_to(np.arange(seq_len, dtype=np.int32), labels.shape).copy()
+        yield batch
 
 
-def _data_streams(loaded: LoadedModel, tokenizer: Any, data: Sequence[str], split: str) -> list[tuple[str, np.ndarray]]:
-    """`(description, tokens [n])` per stream: each `data` file, or the experiment's source's split."""
+class _FileBatches:
+    """Windows of every file stream in turn, this process's rows only (every process reads the same files)."""
+
+    def __init__(self, streams: list[tuple[str, np.ndarray]], seq_len: int, batch_size: int, vocab: int | None,
+                 rows: np.ndarray):
+        self._batches = (b for what, stream in streams for b in windows(stream, seq_len, batch_size, vocab, what))
+        self._rows = rows
+        self._next = next(self._batches, None)
+        self.exhausted = self._next is None
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._next is None:
+            raise StopIteration
+        batch, self._next = self._next, next(self._batches, None)
+        self.exhausted = self._next is None
+        return {k: np.ascontiguousarray(v[self._rows]) for k, v in batch.items()}
+
+
+def _data_streams(loaded: LoadedModel, tokenizer: Any, data: Sequence[str]) -> list[tuple[str, np.ndarray]]:
+    """`(description, tokens [n])` per `data` file."""
     config = loaded.experiment.config
     vocab = getattr(config.model, "vocab_size", None)
-    if not data:
-        if split not in SPLITS:
-            raise EvalError(f"--split '{split}' is not a split; use one of {', '.join(SPLITS)}.")
-        source = config.input.source.instantiate()
-        source.use_tokenizer(tokenizer)
-        return [(f"the {split} split of input.source ({type(source).__name__})", source.tokens(SPLITS[split]))]
     streams = []
     for path in data:
         suffix = pathlib.Path(path).suffix.lower()
         if suffix in TOKEN_FILE_SUFFIXES:
             dtype = TokenDtype.UINT32 if isinstance(vocab, int) and vocab > 1 << 16 else TokenDtype.UINT16
             source = TokenFile(TokenFile.default_config().set(path=path, dtype=dtype, eval_fraction=0.0))
-            what = f"token file {path} ({dtype.value})"
-        else:
-            if not os.path.isfile(os.path.expanduser(path)):
-                raise EvalError(f"--data '{path}' is not a file; pass text, JSONL (.jsonl) or token (.bin) files.")
-            fmt = TextFormat.JSONL if suffix == ".jsonl" else TextFormat.TEXT
-            source = TextFiles(TextFiles.default_config().set(paths=[path], format=fmt, eval_fraction=0.0))
-            what = f"{fmt.value} file {path}"
-        source.use_tokenizer(tokenizer)
-        streams.append((what, source.tokens(Split.TRAIN)))  # eval_fraction 0: TRAIN is all of it.
+            source.use_tokenizer(tokenizer, "--data")
+            source.check()  # DataError for a missing file or a size that is not a whole number of ids.
+            tokens = np.memmap(os.path.expanduser(path), dtype=np.dtype(dtype.value).newbyteorder("<"), mode="r")
+            streams.append((f"token file {path} ({dtype.value})", tokens))
+            continue
+        if not os.path.isfile(os.path.expanduser(path)):
+            raise EvalError(f"--data '{path}' is not a file; pass text, JSONL (.jsonl) or token (.bin) files.")
+        fmt = TextFormat.JSONL if suffix == ".jsonl" else TextFormat.TEXT
+        source = TextFiles(TextFiles.default_config().set(paths=[path], format=fmt, eval_fraction=0.0))
+        source.use_tokenizer(tokenizer, "--data")
+        documents = [source.to_document(*raw)["tokens"] for raw in source.raw_documents()]
+        tokens = np.concatenate(documents) if documents else np.zeros(0, np.int32)
+        streams.append((f"{fmt.value} file {path}", tokens))  # Its documents one after the other.
     return streams
 
 
@@ -177,31 +199,33 @@ def evaluate_run(
     for name, value in (("--batch-size", batch_size), ("--seq-len", seq_len), ("--max-batches", max_batches)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise EvalError(f"{name} must be a positive integer, got {value!r}.")
+    if not data and split not in SPLITS:
+        raise EvalError(f"--split '{split}' is not a split; use one of {', '.join(SPLITS)}.")
+    if not data and SPLITS[split] is Split.TRAIN and max_batches is None:
+        raise EvalError("--split train reads the endless training stream; pass --max-batches N (its first N batches).")
     sizes = [f"input.batch_size={batch_size}"] * (batch_size is not None) + [f"input.seq_len={seq_len}"] * (seq_len is not None)
     loaded, trainer = load_model_and_trainer(path, step=step, overrides=[*overrides, *sizes], report=report, objects=objects)
     config = loaded.experiment.config
     batch_size, seq_len = config.input.batch_size, config.input.seq_len
     vocab = getattr(config.model, "vocab_size", None)
-    streams = _data_streams(loaded, trainer.tokenizer, data, split)
-    eval_step = jax.jit(trainer._eval_step, in_shardings=(trainer.state_shardings["params"], trainer.batch_sharding))
-    xent, tokens, batches, complete = 0.0, 0, 0, True
-    for what, stream in streams:
-        for batch in windows(stream, seq_len, batch_size, vocab if isinstance(vocab, int) else None, what):
-            if max_batches is not None and batches == max_batches:
-                complete = False
-                break
-            out = jax.device_get(eval_step(loaded.params, place_batch(batch, trainer.batch_sharding)))
-            xent += float(out["xent_sum"])
-            tokens += int(round(float(out["tokens"])))
-            batches += 1
-        if not complete:
-            break
-    if tokens == 0:
+    if data:
+        streams = _data_streams(loaded, trainer.tokenizer, data)
+        layout = trainer.shard_layout
+        rows = np.concatenate([np.arange(s * layout.rows_per_shard, (s + 1) * layout.rows_per_shard)
+                               for s in layout.shards])
+        pipeline = _FileBatches(streams, seq_len, batch_size, vocab if isinstance(vocab, int) else None, rows)
+        described = "; ".join(what for what, _ in streams)
+    else:
+        vocab = vocab if isinstance(vocab, int) else None
+        pipeline = input_pipeline(config.input, SPLITS[split], trainer.tokenizer, vocab, trainer.shard_layout)
+        described = f"the {split} split of the run's input pipeline"
+    totals = trainer.evaluate(loaded.params, max_batches or 0, loader=trainer.eval_loader(pipeline))
+    if totals.tokens <= 0:
         raise EvalError("No target token was evaluated; check the data and --max-batches.")
-    loss = xent / tokens
-    described = "; ".join(what for what, _ in streams)
+    tokens = int(round(totals.tokens))
     return EvalResult(
-        loss, math.exp(loss), tokens, batches, batch_size, seq_len, complete, loaded.step, str(loaded.source), described
+        totals.loss, math.exp(totals.loss), tokens, totals.batches, batch_size, seq_len, totals.complete,
+        loaded.step, str(loaded.source), described,
     )
 
 

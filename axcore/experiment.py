@@ -49,7 +49,6 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import jax
-import jax.numpy as jnp
 import yaml
 
 from axcore import __version__
@@ -58,6 +57,7 @@ from axcore.config import REQUIRED, ConfigBase, InstantiableConfig, Matches, dum
 from axcore.config.safe_yaml import read_file as read_yaml_file
 from axcore.config.serialize import flatten, format_value, nest_path, safe_load, to_dict
 from axcore.data import ByteTokenizer, InputConfig, Tokenizer
+from axcore.data.schema import BATCH_SCHEMA
 from axcore.config_modifiers import apply_modifier, build_modifier, describe_modifier
 from axcore.errors import (
     AxcoreError,
@@ -220,7 +220,7 @@ class Experiment:
     def _trace_kernels(self) -> tuple[dict[str, dict[str, list[str]]], list[KernelDecision]]:
         model = self.config.model.instantiate(name="model", registries=self.registries)
         shape = (self.config.input.batch_size, self.config.input.seq_len)
-        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32) for k in ("input_ids", "target_labels")}
+        batch = BATCH_SCHEMA.shapes(*shape)
 
         def loss(params, batch):
             return functional(model, params, (batch,), jax.random.key(0), True)[0][0]

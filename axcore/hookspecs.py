@@ -268,8 +268,11 @@ def axcore_register_data_sources(register: RegisterComponent) -> None:
 
     Args:
         register: `register(name, source_class, *, override=False)`; the class must
-            subclass `axcore.data.DataSource` (a Configurable whose `tokens(split)`
-            returns a 1-D token array).
+            subclass `axcore.data.DataSource`, a Configurable that yields documents
+            (`{"tokens": int32 [n], "loss_mask": uint8 [n]}`) of a split: a
+            `RandomAccessSource` (`num_documents`, `document(index)`) or a
+            `StreamedSource` (`raw_documents`, `to_document`). The input pipeline
+            shards, shuffles, packs and batches them (docs/data.md "Sources").
 
     Returns nothing. Called like the other registration hooks (built-ins first, then
     enabled plugins in `plugins:` order; the same duplicate-name rule). Names share

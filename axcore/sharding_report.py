@@ -27,6 +27,7 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
+from axcore.data.schema import BATCH_SCHEMA
 from axcore.params import ParameterSpec
 from axcore.sharding import (
     batch_sharding,
@@ -123,7 +124,7 @@ def sharding_report(experiment: Any) -> ShardingReport:
     check_batch_size(cfg.input.batch_size, mesh, rules)
     batch_spec = batch_sharding(mesh, rules)
     shape = (cfg.input.batch_size, cfg.input.seq_len)
-    batch = [_array(f"batch.{key}", shape, "int32", batch_spec) for key in ("input_ids", "target_labels")]
+    batch = [_array(f"batch.{f.name}", shape, f.dtype, batch_spec) for f in BATCH_SCHEMA.fields]
     # Optimizer state: abstract init, then the Trainer's assignment.
     optimizer, _ = build_optimizer(cfg.trainer.learner, specs, cfg.trainer.max_steps)
     abstract = jax.tree.map(lambda s: s.abstract(), specs, is_leaf=is_spec)

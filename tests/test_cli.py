@@ -49,7 +49,8 @@ def test_config_matches_golden_file(name, capsys, request):
     lines = dict(line.split(": ", 1) for line in text.splitlines())
     assert lines["model.type"] == "causal_lm" and lines["model.vocab_size"] == MODEL_VOCAB.get(name, "256")
     assert lines["model.decoder.layer.self_attention.causal"] == "true"
-    assert lines["mesh.rule"] == "default" and lines["input.source.type"] == "embedded_corpus"
+    assert lines["mesh.rule"] == "default"
+    assert lines["input.source.type"] == ("prepared" if name.startswith("llama") else "embedded_corpus")
     assert lines["trainer.learner.optimizer.type"] == "adamw" and lines["trainer.learner.schedule.type"] == "cosine"
     assert lines["trainer.learner.optimizer.moment_dtype"] == "null"  # Moments in the parameter dtype.
     assert lines["trainer.checkpoint.backend"] == "orbax" and lines["trainer.checkpoint.backend_settings"] == "{}"

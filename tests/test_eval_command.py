@@ -1,5 +1,6 @@
 """`axcore eval`: loss and perplexity of a checkpoint equal an independent NumPy computation over every
-target token once (partial last row and padded last batch included); bad arguments exit 2 in one line."""
+target token once (partial last row and padded last batch included); on the run's own eval split it is the
+trainer's evaluation (same loss, same tokens); bad arguments exit 2 in one line."""
 
 import json
 import math
@@ -12,12 +13,16 @@ import pytest
 import axcore
 from axcore.cli import main
 from axcore.evaluation import evaluate_run, windows
+from axcore.data import Split
+from axcore.data.device_loader import shard_layout
+from axcore.observe import read_jsonl_metrics
 from axcore.run_loading import load_model
+from axcore.trainer.inputs import input_pipeline
 from axcore.trainer.trainer import Trainer
 import tiny
 
-TRAIN = [*tiny.TINY, "trainer.max_steps=3", "trainer.eval_every=0", "trainer.sample.num_tokens=0",
-         "trainer.metrics_writers=[]"]
+TRAIN = [*tiny.TINY, "trainer.max_steps=3", "trainer.eval_every=3", "trainer.eval_batches=2",
+         "trainer.sample.num_tokens=0", "trainer.metrics_writers=[{type: jsonl}]"]
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
         "of a wife. However little known the feelings or views of such a man may be on his first entering a "
         "neighbourhood, this truth is so well fixed in the minds of the surrounding families. Café!\n")
@@ -71,20 +76,58 @@ def test_perplexity_equals_an_independent_numpy_computation(run, tmp_path, capsy
     assert both.tokens == 2 * count and both.loss == pytest.approx(result["loss"], rel=1e-6)
 
 
-def test_default_data_is_the_runs_held_out_split_and_max_batches_stops(run, capsys):
+def _numpy_document_loss(loaded, batches):
+    """Sum of weight x cross-entropy and of weights over `batches`, each document of each row run alone
+    (unpacked, its own positions), log-softmax in float64 NumPy."""
+    total, weight = 0.0, 0.0
+    for batch in batches:
+        for r in range(batch["input_ids"].shape[0]):
+            segments = batch["segment_ids"][r]
+            for segment in np.unique(segments[segments > 0]):
+                idx = np.flatnonzero(segments == segment)
+                ids, pos = batch["input_ids"][r, idx][None], batch["positions"][r, idx][None]
+                logits, _ = axcore.functional(loaded.model, loaded.params, (ids, pos), None, False, method="logits")
+                logits = np.asarray(logits, np.float64)[0]
+                log_probs = logits - logits.max(-1, keepdims=True)
+                log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+                w = batch["target_weights"][r, idx].astype(np.float64)
+                labels = np.maximum(batch["target_labels"][r, idx], 0)
+                total -= (w * log_probs[np.arange(len(idx)), labels]).sum()
+                weight += w.sum()
+    return total, weight
+
+
+def test_trainer_and_axcore_eval_are_one_evaluation_equal_to_numpy(run, capsys):
+    """The run's logged eval (step 3, trainer.eval_batches=2), `axcore eval --max-batches 2` and
+    Trainer.evaluate of the same parameters: one loss over the same tokens, equal to NumPy's."""
     assert main(["eval", str(run), "--max-batches", "2"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"step 3 of {run.resolve()}: loss ") and "validation split of input.source" in out
+    assert out.startswith(f"step 3 of {run.resolve()}: loss ") and "validation split of the run's input pipeline" in out
     assert "stopped after --max-batches 2" in out
     first = evaluate_run(run, max_batches=2)
-    assert (first.batches, first.tokens, first.complete) == (2, 2 * 4 * 32, False)
-    # The same batches through the Trainer's own evaluate give the same loss.
+    assert (first.batches, first.complete) == (2, False) and 0 < first.tokens <= 2 * 4 * 32
+    [logged] = [r for r in read_jsonl_metrics(run / "metrics.jsonl") if "eval/loss" in r]
+    assert logged["step"] == 3 and logged["eval/tokens"] == first.tokens
+    assert logged["eval/loss"] == pytest.approx(first.loss, rel=1e-6, abs=1e-6)
     loaded = load_model(run)
     trainer = Trainer(loaded.experiment)
-    iterator = loaded.experiment.config.input.make_iterator("eval", trainer.tokenizer)
-    trainer.cfg.trainer.eval_batches = 2
-    assert trainer.evaluate(jax.jit(trainer._eval_step), loaded.params, iterator) == pytest.approx(first.loss, rel=1e-6)
-    assert evaluate_run(run, split="train", max_batches=1).tokens == 4 * 32
+    totals = trainer.evaluate(loaded.params, 2)
+    assert totals.tokens == first.tokens and totals.loss == pytest.approx(first.loss, rel=1e-6, abs=1e-6)
+    # The same two batches, read from the pipeline on the host, and scored one document at a time in NumPy.
+    config = loaded.experiment.config
+    layout = shard_layout(trainer.batch_sharding, (config.input.batch_size, config.input.seq_len), None)
+    pipeline = input_pipeline(config.input, Split.EVAL, trainer.tokenizer, config.model.vocab_size, layout)
+    xent, weight = _numpy_document_loss(loaded, [next(pipeline) for _ in range(2)])
+    assert weight == first.tokens and xent / weight == pytest.approx(first.loss, rel=1e-5)
+
+
+def test_the_whole_split_and_the_train_split(run):
+    whole = evaluate_run(run, max_batches=None, batch_size=64)  # Wide batches: fewer steps over the whole split.
+    assert whole.complete and whole.batches > 2 and whole.tokens > evaluate_run(run, max_batches=2, batch_size=64).tokens
+    train = evaluate_run(run, split="train", max_batches=1)
+    assert not train.complete and 0 < train.tokens <= 4 * 32
+    with pytest.raises(axcore.AxcoreError, match="--split train reads the endless training stream; pass --max-batches"):
+        evaluate_run(run, split="train")
 
 
 def test_windows_count_every_target_once():

@@ -4,12 +4,16 @@ line, Slurm's `srun` and a Kubernetes JobSet would start them.
 
 Checked: the processes join (the run sees 4 devices), train and checkpoint from both
 processes, resume from that checkpoint, and log the same losses as one process with 4
-devices. Every launch is bounded in time and its processes are killed on any failure.
+devices reading both data shards (`input.data_shards=2`); each process reads only its
+own data shard (half the rows of every batch: the rows and tokens each process reports
+add up to the one process's). Every launch is bounded in time and its processes are
+killed on any failure.
 """
 
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -95,17 +99,28 @@ def _instance_type(run_dir):
     return next(line.split(":", 1)[1].strip() for line in text.splitlines() if "instance_type:" in line)
 
 
+def _reads(log):
+    """[(shards, rows per batch, rows read, tokens read)] of the `Input: process i ...` lines of a process's log."""
+    shards = re.findall(r"Input: process \d+ reads data shards \[([\d, ]*)\] of 2 \((\d+) of 4 rows per batch\)", log)
+    totals = re.findall(r"Input: process \d+ read (\d+) rows, (\d+) tokens", log)
+    assert len(shards) == len(totals) == 1, log[-3000:]
+    return shards[0][0], int(shards[0][1]), int(totals[0][0]), int(totals[0][1])
+
+
 @pytest.fixture(scope="module")
-def single_process_losses(tmp_path_factory):
-    """Losses of 6 steps in one process with 4 CPU devices (the same data-parallel mesh)."""
+def single_process(tmp_path_factory):
+    """Losses of 6 steps in one process with 4 CPU devices (the same data-parallel mesh) reading both
+    data shards, and what it read."""
     root = tmp_path_factory.mktemp("single")
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    _launch([(_command(_overrides(root / "run", 6)), env)], root)
+    [log] = _launch([(_command([*_overrides(root / "run", 6), "input.data_shards=2"]), env)], root)
     assert _instance_type(root / "run") == "cpu-4"
-    return _losses(root / "run")
+    return _losses(root / "run"), _reads(log)
 
 
-def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, single_process_losses):
+def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, single_process):
+    single_process_losses, (shards, rows_per_batch, rows, tokens) = single_process
+    assert (shards, rows_per_batch, rows) == ("0, 1", 4, 6 * 4)
     run_dir = tmp_path / "run"
     # Joined from the command line: 4 steps, checkpoints at 2 and 4 written by both processes.
     port = _free_port()
@@ -113,6 +128,7 @@ def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, single_pro
     logs = _launch([(_command(_overrides(run_dir, 4), flags(i)), {}) for i in range(2)], tmp_path)
     assert _instance_type(run_dir) == "cpu-4"  # 2 processes x 2 devices.
     assert "Sample:" in logs[0] and "Sample:" not in logs[1]  # Only process 0 prints and writes.
+    reads = [_reads(log) for log in logs]
 
     # Resumed as srun would start it: JAX's own Slurm detection (coordinator 127.0.0.1,
     # port from the job id), steps 5 and 6 from the step-4 checkpoint.
@@ -123,6 +139,12 @@ def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, single_pro
     }
     logs = _launch([(_command(_overrides(run_dir, 6)), slurm(i)) for i in range(2)], tmp_path)
     assert "Resumed from step 4" in logs[0]
+    resumed = [_reads(log) for log in logs]
+    # Each process read only its own shard: 2 of the 4 rows of every batch, and together exactly the
+    # tokens the one process read from both shards over the same 6 steps.
+    assert [r[:3] for r in reads] == [("0", 2, 4 * 2), ("1", 2, 4 * 2)]
+    assert [r[:3] for r in resumed] == [("0", 2, 2 * 2), ("1", 2, 2 * 2)]
+    assert sum(r[3] for r in reads + resumed) == tokens and all(r[3] > 0 for r in reads + resumed)
     losses = _losses(run_dir)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     for step, loss in single_process_losses.items():

@@ -50,7 +50,7 @@ def test_save_model_writes_parameters_only(tmp_path):
     want = sorted("['params']" + jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0])
     assert _index_paths(run / "checkpoints" / "0") == want  # No opt_state, step or prng_key.
     meta = json.loads((run / "checkpoints" / "0" / "meta" / "metadata").read_text())["metadata"]
-    assert meta == {"params_only": True, "step": 0, "seed": 0, "input": {"epoch": 0, "position": 0}}
+    assert meta == {"params_only": True, "step": 0, "seed": 0, "input": None}
     loaded = load_model(run)
     assert loaded.step == 0
     for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params)):

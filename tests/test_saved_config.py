@@ -131,6 +131,7 @@ def test_axcore_config_of_a_saved_config_prints_the_runs_config_txt(name, tmp_pa
         capsys.readouterr()
         assert main(["config", str(run / "config.yaml")]) == 0
         out = capsys.readouterr().out
-        printed = "".join(line for line in out.splitlines(True) if not line.startswith("# kernel "))
+        printed = "".join(line for line in out.splitlines(True) if not line.startswith(("# kernel ", "# data check: ")))
         assert printed == (run / "config.txt").read_text(), (name, plugins)
-        assert out.count("# kernel ") >= 2  # The kernel lines follow, as for any experiment.
+        # The kernel lines and the data check follow, as for any experiment.
+        assert out.count("# kernel ") >= 2 and out.count("# data check: ") == 1

@@ -1,40 +1,76 @@
-"""Input pipeline: tokenizers, data sources and a deterministic, checkpointable batch iterator."""
+"""Input pipeline: tokenizers, data sources (documents) and the Grain pipeline that packs them into batches.
+
+The pipeline's names (`InputConfig`, `InputPipeline`, `MixtureComponent`, `Packing`,
+`LongDocuments`) are imported on first use: they import Grain (about 1 s on top of JAX),
+which `import axcore.data.tokenizer` (the hookspecs, `axcore plugins`) does not need.
+"""
+
+import importlib
+from typing import Any
 
 from axcore.data.errors import DataError
-from axcore.data.iterator import PAD_LABEL, BatchIterator, InputConfig
+from axcore.data.schema import BATCH_SCHEMA, PAD_LABEL, BatchField, BatchSchema
 from axcore.data.sources import (
     CORPUS_FILES,
-    DOCUMENT_SEPARATOR,
+    ChatFiles,
     DataSource,
     EmbeddedCorpus,
+    JsonlFiles,
+    ParquetFiles,
+    Prepared,
+    RandomAccessSource,
     Split,
+    StreamedSource,
     TextFiles,
     TextFormat,
     TokenDtype,
     TokenFile,
     read_corpus_documents,
-    split_documents,
-    split_stream,
 )
 from axcore.data.tokenizer import ByteTokenizer, Tokenizer
 
+# Name -> the module that defines it, imported by `__getattr__` on first use.
+_LAZY = {
+    "InputConfig": "axcore.data.pipeline",
+    "InputPipeline": "axcore.data.pipeline",
+    "MixtureComponent": "axcore.data.mixture",
+    "LongDocuments": "axcore.data.packing",
+    "Packing": "axcore.data.packing",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'axcore.data' has no attribute '{name}'")
+
+
 __all__ = [
+    "BATCH_SCHEMA",
     "CORPUS_FILES",
-    "DOCUMENT_SEPARATOR",
     "PAD_LABEL",
-    "BatchIterator",
+    "BatchField",
+    "BatchSchema",
     "ByteTokenizer",
+    "ChatFiles",
     "DataError",
     "DataSource",
     "EmbeddedCorpus",
     "InputConfig",
+    "InputPipeline",
+    "JsonlFiles",
+    "LongDocuments",
+    "MixtureComponent",
+    "Packing",
+    "ParquetFiles",
+    "Prepared",
+    "RandomAccessSource",
     "Split",
+    "StreamedSource",
     "TextFiles",
     "TextFormat",
     "TokenDtype",
     "TokenFile",
     "Tokenizer",
     "read_corpus_documents",
-    "split_documents",
-    "split_stream",
 ]

@@ -1,45 +1,47 @@
-"""Data sources: configurable producers of a 1-D token stream per split.
+"""Data sources: registered components that yield DOCUMENTS for a split; they never batch.
 
-Every source holds out the *last* `eval_fraction` of its data for evaluation, so the
-train and eval splits never overlap:
+A document is `{"tokens": int32 [n], "loss_mask": uint8 [n]}` (`loss_mask` optional:
+all ones; `loss_mask[i] == 1` trains on predicting token i from `tokens[:i]`), plus a
+`"location"` string naming where it came from, for errors. The input pipeline
+(`axcore/data/pipeline.py`) shards, shuffles, packs and batches them.
 
-- a single-stream source (`TokenFile`, and any source whose documents are too few to
-  split, see below) cuts its token stream: of `n` tokens, the last
-  `round(n * eval_fraction)` are the eval split and the rest the train split;
-- a multi-document source (`TextFiles`, `EmbeddedCorpus`) cuts its list of
-  documents: of `d` documents the last `round(d * eval_fraction)` are the eval
-  split. When that would leave either side without a document (for example one big
-  text file), it falls back to cutting the joined token stream as above.
+Two kinds of source:
 
-Documents are joined with `DOCUMENT_SEPARATOR` (a blank line, `b"\\n\\n"`) and
-tokenized with the experiment's tokenizer (`use_tokenizer`; by default, and with the
-`bytes` tokenizer, token id = UTF-8 byte, as a zero-copy view). Within one split, the
-separator goes between documents only. Other tokenizers encode document by document
-(`Tokenizer.encode_documents`, which may batch and mark document starts and ends),
-each document but the last of a split followed by the separator, and the ids are
-concatenated; so a big corpus is never one string, and a tokenizer whose ids do not
-depend on where the text is cut gives exactly the ids of the joined text.
-Pre-tokenized sources (`TokenFile`) ignore the tokenizer.
+- random access (`RandomAccessSource`): `num_documents()` and `document(i)` over all
+  documents in source order: `prepared` (token shards written by `axcore prepare`),
+  `embedded_corpus` (the shipped novels, one document per chapter) and `token_file`
+  (one headerless token stream, cut into documents of `document_tokens`);
+- streamed (`StreamedSource`): `raw_documents()` yields every document in source order,
+  `to_document` tokenizes (or renders) one: `text_files`, `jsonl`, `parquet` and
+  `chat`, read through `axcore.data.readers` file by file, never a whole file at once.
+
+Held-out split (the same rule for every source): with `f = eval_fraction`, document k
+(0-based, in source order) belongs to EVAL iff `floor((k + 1) f) > floor(k f)`, else
+to TRAIN. So the first n documents hold exactly `floor(n f)` eval documents, spread
+evenly (with f = 0.05: documents 19, 39, 59, ...); the rule needs no document count,
+so a streamed source applies it as it reads, and train and eval never overlap.
+`eval_fraction: 0` puts every document in TRAIN.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
-import codecs
 import enum
+import glob
 import importlib.resources
-import json
+import math
 import os
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Iterator
+from typing import Annotated, Any
 
 import numpy as np
 
-from axcore.config import REQUIRED, Configurable, Probability
+from axcore.config import REQUIRED, Configurable, Positive, Probability
 from axcore.data.errors import DataError
+from axcore.data.chat import ChatTemplate, TrainOn, render_chat
+from axcore.data.readers import expand_paths, iter_chat_records, iter_text_documents
+from axcore.data.shards import PreparedShards
 from axcore.data.tokenizer import ByteTokenizer, Tokenizer
-
-# Bytes put between two documents of one split (a blank line).
-DOCUMENT_SEPARATOR = b"\n\n"
 
 # The shipped novels (see `axcore/data/corpus/SOURCE.md`), in reading order.
 CORPUS_FILES = (
@@ -48,6 +50,8 @@ CORPUS_FILES = (
     "northanger_abbey.txt",
     "persuasion.txt",
 )
+# A chapter heading of the shipped novels; each chapter (the title page joins the first) is a document.
+_CHAPTER = re.compile(rb"^(?:CHAPTER|Chapter) [0-9IVXLC]+\b", re.MULTILINE)
 
 
 class Split(enum.Enum):
@@ -65,152 +69,136 @@ def as_split(split: Split | str) -> Split:
         raise DataError(f"Unknown split {split!r}; use one of {[s.value for s in Split]}.") from None
 
 
-class DataSource(Configurable):
-    """Base of data sources. Subclasses implement `tokens(split)`.
+def is_eval_document(index: int, eval_fraction: float) -> bool:
+    """Whether document `index` (source order) is held out (module docstring)."""
+    return math.floor((index + 1) * eval_fraction) > math.floor(index * eval_fraction)
 
-    `tokens(split)` returns a 1-D integer array (possibly a read-only `np.memmap`
-    or view) holding that split's whole token stream; callers index into it and must
-    not modify it.
+
+def split_indices(num_documents: int, eval_fraction: float, split: Split) -> np.ndarray:
+    """int64 `[m]`: the indices of `split`'s documents among `num_documents`, ascending."""
+    k = np.arange(num_documents, dtype=np.float64)
+    held_out = np.floor((k + 1) * eval_fraction) > np.floor(k * eval_fraction)
+    return np.flatnonzero(held_out if split is Split.EVAL else ~held_out).astype(np.int64)
+
+
+class DataSource(Configurable):
+    """Base of data sources; see the module docstring for the two kinds.
+
+    The pipeline calls `use_tokenizer(tokenizer, where)` once before reading (`where`
+    is the config path, e.g. `input.source`, that errors name) and `check()` for a
+    cheap look at the data (`axcore config` calls it too).
     """
 
     class Config(Configurable.Config):
         """Configures DataSource."""
 
-        # Share held out for eval: the last tokens (or documents); 0 means no eval split.
+        # Share of documents held out for eval (the rule in axcore/data/sources.py); 0 = no eval split.
         eval_fraction: Annotated[float, Probability] = 0.05
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
-        fraction = cfg.eval_fraction
-        if not 0.0 <= fraction < 1.0:
-            raise DataError(
-                f"{type(self).__name__}.eval_fraction must be in [0, 1), got {fraction}; "
-                f"e.g. 0.05 holds out the last 5% for eval."
-            )
-        self._cache: dict[Split, np.ndarray] = {}
         self._tokenizer: Tokenizer | None = None
+        # The config path errors name (set by `use_tokenizer`).
+        self.where = "input.source"
 
-    def use_tokenizer(self, tokenizer: Tokenizer | None) -> None:
-        """Tokenize text with `tokenizer` (None: bytes); call before the first `tokens()`."""
-        if self._cache:
-            raise DataError(f"{type(self).__name__}: set the tokenizer before reading tokens.")
+    def use_tokenizer(self, tokenizer: Tokenizer | None, where: str = "input.source") -> None:
+        """Tokenize text with `tokenizer` (None: bytes); `where` is this source's config path."""
         self._tokenizer = tokenizer
+        self.where = where
 
-    def encode(self, text: bytes) -> np.ndarray:
-        """UTF-8 `text` -> token ids `[n]` with this source's tokenizer (bytes: a read-only uint8 view)."""
+    def encode(self, text: str) -> np.ndarray:
+        """`text` -> int32 token ids `[n]` with this source's tokenizer (as one document)."""
         if self._tokenizer is None or isinstance(self._tokenizer, ByteTokenizer):
-            return _byte_tokens(text)
-        return np.asarray(self._tokenizer.encode(text.decode("utf-8")))
+            return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
+        (ids,) = self._tokenizer.encode_documents([text])
+        return np.asarray(ids, np.int32).reshape(-1)
 
-    def encode_documents(self, documents: Sequence[bytes]) -> np.ndarray:
-        """UTF-8 `documents` -> the token ids `[n]` of the split they make (module docstring).
+    def check(self, where: str | None = None) -> None:
+        """Cheap checks (paths exist, index readable); DataError naming `where` (default: `self.where`)."""
+        if where is not None:
+            self.where = where
+        self._check()
 
-        Bytes: the joined text as a read-only uint8 view. Another tokenizer: its
-        `encode_documents` of each document (all but the last followed by
-        `DOCUMENT_SEPARATOR`), concatenated as int32.
-        """
-        if self._tokenizer is None or isinstance(self._tokenizer, ByteTokenizer):
-            return _byte_tokens(DOCUMENT_SEPARATOR.join(documents))
-        last = len(documents) - 1
-        texts = [(d + DOCUMENT_SEPARATOR if i < last else d).decode("utf-8") for i, d in enumerate(documents)]
-        ids = self._tokenizer.encode_documents(texts)
-        if len(ids) != len(texts):
-            raise DataError(
-                f"{type(self._tokenizer).__name__}.encode_documents returned {len(ids)} arrays for {len(texts)} "
-                f"documents; it must return one per document."
-            )
-        return np.concatenate([np.asarray(x, np.int32).reshape(-1) for x in ids]) if ids else np.zeros((0,), np.int32)
+    def _check(self) -> None:
+        """What `check` looks at; subclasses override this."""
 
-    def tokens(self, split: Split) -> np.ndarray:
-        """The token stream of `split`: 1-D integer array `[num_tokens]`, never empty.
+    def describe(self) -> str:
+        """How errors and logs name this source, e.g. "prepared shards 'data/web'"."""
+        return type(self).__name__
 
-        Raises:
-            DataError: when the data cannot be read or the split is empty.
-        """
+
+class RandomAccessSource(DataSource):
+    """A source whose documents can be read by index (module docstring)."""
+
+    def num_documents(self) -> int:
+        """Documents in all (both splits)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement num_documents().")
+
+    def document(self, index: int) -> dict[str, Any]:
+        """Document `index` in source order (module docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement document(index).")
+
+    def split_indices(self, split: Split) -> np.ndarray:
+        """int64 `[m]`: the documents of `split`, ascending; DataError when there are none."""
         split = as_split(split)
-        if split not in self._cache:
-            self._cache[split] = self._load(split)
-        return self._cache[split]
-
-    def _load(self, split: Split) -> np.ndarray:
-        raise NotImplementedError(f"{type(self).__name__} must implement _load(split).")
-
-
-def split_stream(tokens: np.ndarray, eval_fraction: float, split: Split, where: str) -> np.ndarray:
-    """The train (head) or eval (tail) part of one stream; a view, never a copy.
-
-    Raises:
-        DataError: naming `where` if the part is empty.
-    """
-    num = len(tokens)
-    cut = num - int(round(num * eval_fraction))
-    part = tokens[:cut] if split is Split.TRAIN else tokens[cut:]
-    if len(part) == 0:
-        if split is Split.EVAL:
-            hint = "set eval_fraction > 0" if eval_fraction == 0 else "add data or raise eval_fraction"
-        else:
-            hint = "add data or lower eval_fraction"
-        raise DataError(
-            f"{where}: the {split.value} split is empty ({num} tokens in all, "
-            f"eval_fraction={eval_fraction}); {hint}."
-        )
-    return part
+        total = self.num_documents()
+        indices = split_indices(total, self._config.eval_fraction, split)
+        if len(indices) == 0:
+            hint = {Split.EVAL: "add documents or raise eval_fraction", Split.TRAIN: "add documents"}[split]
+            raise DataError(
+                f"{self.where} ({self.describe()}): the {split.value} split holds no documents "
+                f"({total} in all, eval_fraction={self._config.eval_fraction}); {hint}."
+            )
+        return indices
 
 
-def split_documents(
-    documents: Sequence[bytes],
-    eval_fraction: float,
-    split: Split,
-    where: str,
-    encode: Callable[[bytes], np.ndarray] | None = None,
-    *,
-    encode_documents: Callable[[Sequence[bytes]], np.ndarray] | None = None,
-) -> np.ndarray:
-    """Tokens of the train (leading) or eval (trailing) documents, joined.
+class StreamedSource(DataSource):
+    """A source read front to back (module docstring): `raw_documents` then `to_document`."""
 
-    Tokenized by `encode_documents` (documents -> the joined stream, e.g.
-    `DataSource.encode_documents`) if given, else by `encode` (default bytes) of the
-    documents joined with `DOCUMENT_SEPARATOR`. Falls back to `split_stream` over all
-    documents when splitting by document count would leave either side without a document.
-    """
-    if encode_documents is None:
-        encode = encode or _byte_tokens
+    def raw_documents(self) -> Iterator[tuple[str, Any]]:
+        """Yields `(location, raw)` for every document, in source order (no tokenizing)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement raw_documents().")
 
-        def encode_documents(docs: Sequence[bytes]) -> np.ndarray:
-            return encode(DOCUMENT_SEPARATOR.join(docs))
-
-    num_eval = int(round(len(documents) * eval_fraction))
-    if not 0 < num_eval < len(documents):
-        return split_stream(encode_documents(documents), eval_fraction, split, where)
-    cut = len(documents) - num_eval
-    part = documents[:cut] if split is Split.TRAIN else documents[cut:]
-    tokens = encode_documents(part)
-    if len(tokens) == 0:
-        raise DataError(f"{where}: the {split.value} split holds only empty documents; add text.")
-    return tokens
+    def to_document(self, location: str, raw: Any) -> dict[str, Any]:
+        """One raw document -> a document dict (module docstring)."""
+        return {"tokens": self.encode(raw), "location": location}
 
 
-def _byte_tokens(data: bytes) -> np.ndarray:
-    """Read-only uint8 view of `data` (token id = byte, as `ByteTokenizer.encode`)."""
-    return np.frombuffer(data, dtype=np.uint8)
-
-
-class EmbeddedCorpus(DataSource):
+class EmbeddedCorpus(RandomAccessSource):
     """The English prose shipped inside axcore (four Jane Austen novels, about 2.3 MB).
 
-    Each novel is one document (see `CORPUS_FILES`); with the default
-    `eval_fraction` the documents are too few to split by count, so the eval split is
-    the last 5% of the bytes (the end of Persuasion). Read through
+    Each chapter is one document (166 in all; each novel's title page joins its first
+    chapter), tokenized with the experiment's tokenizer when first read. With the
+    default eval_fraction, 8 chapters spread over the novels are held out. Read through
     `importlib.resources`; nothing is downloaded.
     """
 
-    class Config(DataSource.Config):
+    class Config(RandomAccessSource.Config):
         """Configures EmbeddedCorpus."""
 
-    def _load(self, split: Split) -> np.ndarray:
-        return split_documents(
-            read_corpus_documents(), self._config.eval_fraction, split, "embedded corpus", encode_documents=self.encode_documents
-        )
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self._chapters: list[tuple[str, bytes]] | None = None
+
+    def _read(self) -> list[tuple[str, bytes]]:
+        if self._chapters is None:
+            chapters = []
+            for name, text in zip(CORPUS_FILES, read_corpus_documents()):
+                starts = [0] + [m.start() for m in _CHAPTER.finditer(text)][1:]
+                for number, (a, b) in enumerate(zip(starts, starts[1:] + [len(text)]), start=1):
+                    chapters.append((f"embedded corpus '{name}' chapter {number}", text[a:b]))
+            self._chapters = chapters
+        return self._chapters
+
+    def num_documents(self) -> int:
+        return len(self._read())
+
+    def document(self, index: int) -> dict[str, Any]:
+        location, text = self._read()[index]
+        return {"tokens": self.encode(text.decode("utf-8")), "location": location}
+
+    def describe(self) -> str:
+        return "the embedded corpus"
 
 
 def read_corpus_documents() -> list[bytes]:
@@ -228,123 +216,193 @@ def read_corpus_documents() -> list[bytes]:
     return documents
 
 
-class TextFormat(enum.Enum):
-    """How `TextFiles` reads a file."""
+class Prepared(RandomAccessSource):
+    """Token shards written by `axcore prepare` (docs/data.md "The shard format"): the default for real runs.
 
-    # The whole file is one document.
-    TEXT = "text"
-    # One JSON object per line; each is a document (blank lines are skipped).
-    JSONL = "jsonl"
-
-
-class TextFiles(DataSource):
-    """UTF-8 text or JSONL files, tokenized with the experiment's tokenizer; documents joined by a blank line.
-
-    A `text` file is one document; each line of a `jsonl` file is one document,
-    the string in its `jsonl_field`. Eval is the trailing documents (see the module
-    docstring).
+    `paths` name one or more prepared directories (or globs matching them, or their
+    `index.json`); their documents are read in that order, by index, from memory maps.
+    Opening costs O(number of shards), never O(tokens). The shards' tokenizer
+    fingerprint must equal the experiment's tokenizer's.
     """
 
-    class Config(DataSource.Config):
-        """Configures TextFiles."""
+    class Config(RandomAccessSource.Config):
+        """Configures Prepared."""
 
-        # Files to read, in this order (a leading ~ is expanded).
+        # Prepared-shard directories (a directory, a glob matching directories, or an index.json).
         paths: list[str] = REQUIRED
-        # File format: "text" (a file is a document) or "jsonl" (a line is a document).
-        format: TextFormat = TextFormat.TEXT
-        # The JSONL field that holds each document's text.
-        jsonl_field: str = "text"
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
-        self._documents: list[bytes] | None = None
+        self._shards: list[PreparedShards] | None = None
+        self._starts: np.ndarray | None = None
 
-    def _load(self, split: Split) -> np.ndarray:
+    def directories(self) -> list[tuple[str, str]]:
+        """`(directory, config path)` for each prepared directory `paths` names."""
+        found = []
+        if not self._config.paths:
+            raise DataError(f"{self.where}.paths is empty; list at least one prepared-shard directory.")
+        for i, entry in enumerate(self._config.paths):
+            field = f"{self.where}.paths[{i}]"
+            path = os.path.expanduser(entry)
+            matches = sorted(glob.glob(path)) if set("*?[") & set(path) else [path]
+            matches = [os.path.dirname(m) if os.path.basename(m) == "index.json" else m for m in matches]
+            dirs = [m for m in matches if os.path.isdir(m)]
+            if not dirs:
+                raise DataError(
+                    f"{field}: '{entry}' is not a prepared-shard directory (nothing there); "
+                    f"run `axcore prepare` to write one, or fix the path."
+                )
+            found.extend((d, field) for d in dirs)
+        return found
+
+    def _open(self) -> list[PreparedShards]:
+        if self._shards is None:
+            shards = [PreparedShards(d, field=field) for d, field in self.directories()]
+            if self._tokenizer is not None:
+                fingerprint = self._tokenizer.fingerprint()
+                for s, (_, field) in zip(shards, self.directories()):
+                    s.check_tokenizer(fingerprint, field)
+            self._starts = np.cumsum([0] + [s.num_documents for s in shards]).astype(np.int64)
+            self._shards = shards
+        return self._shards
+
+    def _check(self) -> None:
+        self._open()
+
+    def num_documents(self) -> int:
+        self._open()
+        return int(self._starts[-1])
+
+    def document(self, index: int) -> dict[str, Any]:
+        shards = self._open()
+        k = int(np.searchsorted(self._starts, index, side="right")) - 1
+        document = dict(shards[k].document(int(index - self._starts[k])))
+        document["location"] = f"prepared shards '{shards[k].path}' document {int(index - self._starts[k])}"
+        return document
+
+    def describe(self) -> str:
+        return "prepared shards " + ", ".join(f"'{p}'" for p in self._config.paths[:2])
+
+
+class TextFormat(enum.Enum):
+    """How a file of a text source is read (`axcore.data.readers.iter_text_documents`)."""
+
+    # The whole file is one document.
+    TEXT = "text"
+    # One JSON object per line; the string in `field` is a document (blank lines are skipped).
+    JSONL = "jsonl"
+    # The string column `field` of a Parquet file; each row is a document.
+    PARQUET = "parquet"
+
+
+_SUFFIXES = {TextFormat.TEXT: (), TextFormat.JSONL: (".jsonl",), TextFormat.PARQUET: (".parquet",)}
+
+
+class TextFiles(StreamedSource):
+    """Text, JSONL or Parquet files, streamed and tokenized on the fly (for small corpora and quick trials).
+
+    `paths` entries are files, directories (every file below, filtered by the format's
+    suffix for jsonl and parquet) or globs. Nothing is tokenized ahead; every epoch and
+    every resume re-reads (and skips) from the start, so prepare big corpora instead.
+    """
+
+    class Config(StreamedSource.Config):
+        """Configures TextFiles."""
+
+        # Files, directories or globs to read, in this order (a leading ~ is expanded).
+        paths: list[str] = REQUIRED
+        # File format: "text" (a file is a document), "jsonl" (a line) or "parquet" (a row).
+        format: TextFormat = TextFormat.TEXT
+        # The JSONL field or Parquet column holding each document's text.
+        field: str = "text"
+
+    def files(self) -> list[str]:
+        """The files `paths` names (DataError naming `<where>.paths[i]`)."""
         cfg = self._config
         if not cfg.paths:
-            raise DataError("TextFiles.paths is empty; list at least one file to read.")
-        if self._documents is None:  # Read once for both splits.
-            self._documents = self._read_documents()
-        where = "TextFiles " + ", ".join(f"'{p}'" for p in cfg.paths[:3])
-        if len(cfg.paths) > 3:
-            where += f" and {len(cfg.paths) - 3} more"
-        return split_documents(self._documents, cfg.eval_fraction, split, where, encode_documents=self.encode_documents)
+            raise DataError(f"{self.where}.paths is empty; list at least one file, directory or glob.")
+        return expand_paths(cfg.paths, f"{self.where}.paths", suffixes=_SUFFIXES[cfg.format])
 
-    def _read_documents(self) -> list[bytes]:
-        cfg = self._config
-        documents: list[bytes] = []
-        for index, path in enumerate(cfg.paths):
-            raw = _read_file(os.path.expanduser(path), f"TextFiles.paths[{index}]")
-            if cfg.format is TextFormat.TEXT:
-                documents.append(_text_document(raw, path))
-            else:
-                documents.extend(_jsonl_documents(raw, path, cfg.jsonl_field))
-        return documents
+    def _check(self) -> None:
+        self.files()
+
+    def raw_documents(self) -> Iterator[tuple[str, Any]]:
+        for path in self.files():
+            yield from iter_text_documents(path, self._config.format.value, self._config.field)
+
+    def describe(self) -> str:
+        return f"{self._config.format.value} files " + ", ".join(f"'{p}'" for p in self._config.paths[:2])
 
 
-def _read_file(path: str, field: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise DataError(f"Data file '{path}' ({field}) does not exist; fix the path or create the file.") from None
-    except OSError as e:
-        raise DataError(f"Data file '{path}' ({field}) cannot be read: {e.strerror or e}; fix the path.") from None
+class JsonlFiles(TextFiles):
+    """`text_files` with format jsonl: each line's `field` is a document."""
+
+    class Config(TextFiles.Config):
+        """Configures JsonlFiles."""
+
+        # File format (jsonl for this source).
+        format: TextFormat = TextFormat.JSONL
 
 
-def _decode_utf8(raw: bytes, path: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise DataError(
-            f"Data file '{path}' line {line} is not valid UTF-8 (byte offset {e.start}); "
-            f"convert the file to UTF-8."
-        ) from None
+class ParquetFiles(TextFiles):
+    """`text_files` with format parquet: each row's column `field` is a document (read in record batches)."""
+
+    class Config(TextFiles.Config):
+        """Configures ParquetFiles."""
+
+        # File format (parquet for this source).
+        format: TextFormat = TextFormat.PARQUET
 
 
-def _text_document(raw: bytes, path: str) -> bytes:
-    if raw.startswith(codecs.BOM_UTF8):
-        raw = raw[len(codecs.BOM_UTF8) :]
-    _decode_utf8(raw, path)
-    if not raw:
-        raise DataError(f"Text file '{path}' is empty; fill it or remove it from TextFiles.paths.")
-    return raw
+class ChatFiles(StreamedSource):
+    """Chat JSONL (`{"messages": [{"role", "content"}, ...]}` per line), streamed and rendered with a chat template.
 
+    Each record becomes one document whose `loss_mask` trains on the assistant replies
+    only (`train_on: assistant`) or on every token (`all`); see docs/data.md "Chat data
+    and loss masks" (`axcore.data.chat.render_chat`).
+    """
 
-def _jsonl_documents(raw: bytes, path: str, field: str) -> list[bytes]:
-    text = _decode_utf8(raw, path).removeprefix("\ufeff")
-    documents = []
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"JSONL file '{path}' line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f"{where} is not valid JSON ({e.msg}, column {e.colno}); each line must be one JSON object."
-            ) from None
-        if not isinstance(record, dict):
-            raise DataError(f"{where} is a JSON {type(record).__name__}, not an object; write one object per line.")
-        if field not in record:
-            raise DataError(
-                f"{where} has no field '{field}' (it has: {', '.join(map(str, record)) or 'none'}); "
-                f"set TextFiles.jsonl_field to the field that holds the text."
+    class Config(StreamedSource.Config):
+        """Configures ChatFiles."""
+
+        # Chat JSONL files, directories (their .jsonl files) or globs, in this order.
+        paths: list[str] = REQUIRED
+        # The field of each line that holds the list of messages.
+        field: str = "messages"
+        # Which tokens carry weight: "assistant" (the replies) or "all".
+        train_on: TrainOn = TrainOn.ASSISTANT
+        # A jinja2 chat-template file to use instead of the tokenizer's (None: the tokenizer's, else a default).
+        template: str | None = None
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self._template: ChatTemplate | None = None
+
+    def files(self) -> list[str]:
+        """The files `paths` names (DataError naming `<where>.paths[i]`)."""
+        if not self._config.paths:
+            raise DataError(f"{self.where}.paths is empty; list at least one chat JSONL file.")
+        return expand_paths(self._config.paths, f"{self.where}.paths", suffixes=(".jsonl",))
+
+    def _check(self) -> None:
+        self.files()
+
+    def raw_documents(self) -> Iterator[tuple[str, Any]]:
+        for path in self.files():
+            yield from iter_chat_records(path, self._config.field)
+
+    def to_document(self, location: str, raw: Any) -> dict[str, Any]:
+        tokenizer = self._tokenizer if self._tokenizer is not None else ByteTokenizer()
+        if self._template is None:
+            self._template = ChatTemplate.for_tokenizer(
+                tokenizer, self._config.template, field=f"{self.where}.template"
             )
-        value = record[field]
-        if not isinstance(value, str):
-            raise DataError(
-                f"{where}: field '{field}' is a JSON {type(value).__name__}, not a string; "
-                f"set TextFiles.jsonl_field to the field that holds the text."
-            )
-        try:
-            documents.append(value.encode("utf-8"))
-        except UnicodeEncodeError:
-            raise DataError(f"{where}: field '{field}' holds an unpaired surrogate escape; fix the text.") from None
-    if not documents:
-        raise DataError(f"JSONL file '{path}' holds no documents; fill it or remove it from TextFiles.paths.")
-    return documents
+        document = render_chat(raw, tokenizer, self._template, train_on=self._config.train_on, where=location)
+        document["location"] = location
+        return document
+
+    def describe(self) -> str:
+        return "chat files " + ", ".join(f"'{p}'" for p in self._config.paths[:2])
 
 
 class TokenDtype(enum.Enum):
@@ -354,39 +412,55 @@ class TokenDtype(enum.Enum):
     UINT32 = "uint32"
 
 
-class TokenFile(DataSource):
-    """Pre-tokenized ids in a raw binary file, read with `np.memmap` (never loaded whole).
+class TokenFile(RandomAccessSource):
+    """Pre-tokenized ids in one raw headerless file, memory-mapped (never loaded whole).
 
-    The file is a headerless little-endian array, e.g. written with
-    `np.asarray(ids, np.uint16).tofile(path)`. It is one stream; eval is its tail.
+    The file (e.g. `np.asarray(ids, np.uint16).tofile(path)`) keeps no document
+    boundaries, so it is cut into documents of `document_tokens` tokens (the last may be
+    shorter); prepared shards (`prepared`) keep real boundaries.
     """
 
-    class Config(DataSource.Config):
+    class Config(RandomAccessSource.Config):
         """Configures TokenFile."""
 
         # Path of the raw token file (a leading ~ is expanded).
         path: str = REQUIRED
         # Element type of the file: "uint16" (vocabularies up to 65,536) or "uint32".
         dtype: TokenDtype = TokenDtype.UINT16
+        # Tokens per document the stream is cut into.
+        document_tokens: Annotated[int, Positive] = 4096
 
-    def _load(self, split: Split) -> np.ndarray:
-        cfg = self._config
-        path = os.path.expanduser(cfg.path)
-        dtype = np.dtype(cfg.dtype.value).newbyteorder("<")
-        if not os.path.isfile(path):
-            what = "is not a file" if os.path.exists(path) else "does not exist"
-            raise DataError(f"Token file '{path}' (TokenFile.path) {what}; fix the path.")
-        size = os.path.getsize(path)
-        if size == 0:
-            raise DataError(f"Token file '{path}' is empty; write the token ids into it or fix the path.")
-        if size % dtype.itemsize:
-            raise DataError(
-                f"Token file '{path}' has {size} bytes, not a multiple of {dtype.itemsize} "
-                f"({cfg.dtype.value}); set TokenFile.dtype to the type it was written with, "
-                f"or re-create the file if it is truncated."
-            )
-        try:
-            tokens = np.memmap(path, dtype=dtype, mode="r")
-        except OSError as e:
-            raise DataError(f"Token file '{path}' cannot be mapped: {e.strerror or e}.") from None
-        return split_stream(tokens, cfg.eval_fraction, split, f"Token file '{path}'")
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self._tokens: np.ndarray | None = None
+
+    def _map(self) -> np.ndarray:
+        if self._tokens is None:
+            cfg = self._config
+            path, field = os.path.expanduser(cfg.path), f"{self.where}.path"
+            dtype = np.dtype(cfg.dtype.value).newbyteorder("<")
+            if not os.path.isfile(path):
+                what = "is not a file" if os.path.exists(path) else "does not exist"
+                raise DataError(f"Token file '{path}' ({field}) {what}; fix the path.")
+            size = os.path.getsize(path)
+            if size == 0 or size % dtype.itemsize:
+                raise DataError(
+                    f"Token file '{path}' ({field}) has {size} bytes, not a positive multiple of {dtype.itemsize} "
+                    f"({cfg.dtype.value}); set its dtype to the type it was written with, or re-create the file."
+                )
+            self._tokens = np.memmap(path, dtype=dtype, mode="r")
+        return self._tokens
+
+    def _check(self) -> None:
+        self._map()
+
+    def num_documents(self) -> int:
+        return -(-len(self._map()) // self._config.document_tokens)
+
+    def document(self, index: int) -> dict[str, Any]:
+        n = self._config.document_tokens
+        tokens = np.asarray(self._map()[index * n : (index + 1) * n], np.int32)
+        return {"tokens": tokens, "location": f"token file '{self._config.path}' tokens {index * n}.."}
+
+    def describe(self) -> str:
+        return f"token file '{self._config.path}'"

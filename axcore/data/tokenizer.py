@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from axcore.config import ClassConfig, Configurable, Positive
+from axcore.errors import ConfigError
 
 
 class Tokenizer(Configurable):
@@ -81,6 +82,36 @@ class Tokenizer(Configurable):
         """Id of the end-of-sequence token, where decoding may stop, or None (it has none)."""
         return None
 
+    @property
+    def chat_template(self) -> str | None:
+        """The jinja2 chat template this tokenizer ships (Hugging Face's), or None (it has none).
+
+        `axcore.data.chat.ChatTemplate.for_tokenizer` uses it unless a template file is given.
+        """
+        return None
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """Special tokens' texts by name (`{"bos_token": "<s>", "eos_token": "</s>", ...}`), passed to chat templates.
+
+        Default: none ({}); a template that uses `bos_token` then renders it as "".
+        """
+        return {}
+
+    def encode_with_offsets(self, text: str, *, document: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """`text` -> (ids int32 `[n]`, offsets int64 `[n, 2]`): token k came from `text[offsets[k, 0]:offsets[k, 1]]`.
+
+        The ids equal `encode(text)`, or with `document=True` `encode_documents([text])[0]`
+        (BOS/EOS as data sources get them). A token the tokenizer adds (BOS, EOS) has an
+        empty span at the text's start or end; several tokens may share one character
+        (bytes of one character). Chat data needs it to build loss masks; the default
+        raises ConfigError.
+        """
+        raise ConfigError(
+            f"tokenizer: {type(self).__name__} cannot map its tokens to character offsets (encode_with_offsets), which "
+            f"chat data needs for its loss masks; use a tokenizer that can (bytes, hf) or implement encode_with_offsets."
+        )
+
 
 class ByteTokenizer(Tokenizer):
     """Maps text to its UTF-8 bytes and back; token ids are 0..255.
@@ -103,6 +134,18 @@ class ByteTokenizer(Tokenizer):
     def encode(self, text: str) -> np.ndarray:
         """`text` -> int32 `[num_bytes]`, its UTF-8 encoding."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_with_offsets(self, text: str, *, document: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """`text` -> (its UTF-8 bytes as int32 `[n]`, int64 `[n, 2]`): each byte's span is its character's `[c, c + 1)`.
+
+        >>> ids, offsets = ByteTokenizer().encode_with_offsets("hé")
+        >>> offsets.tolist()
+        [[0, 1], [1, 2], [1, 2]]
+        """
+        data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        # A byte starts a character unless it is a UTF-8 continuation byte (10xxxxxx).
+        char = np.cumsum((data & 0xC0) != 0x80, dtype=np.int64) - 1
+        return data.astype(np.int32), np.stack([char, char + 1], axis=1)
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """Token ids `[n]` -> text; invalid UTF-8 sequences become U+FFFD.

@@ -17,6 +17,8 @@ from axcore.layers.transformer import RESIDUAL_AXES, StackedTransformer
 from axcore.module import no_context
 
 AUX_LOSS = "aux_loss"
+# The batch fields `CausalLM.forward` reads (the names of `axcore.data.schema.BATCH_SCHEMA`, plus `kv_mask`).
+ACCEPTED_BATCH_FIELDS = frozenset({"input_ids", "target_labels", "target_weights", "positions", "segment_ids", "kv_mask"})
 # Logical axes of the logits `[batch, seq, vocab]` (their sharding constraint).
 LOGITS_AXES = ("batch", "seq", "vocab")
 
@@ -105,15 +107,34 @@ class CausalLM(BaseLayer):
             lm_head = with_fields(cfg.lm_head, input_dim=cfg.dim, output_dim=cfg.vocab_size, output_dtype="float32")
             self._add_child("lm_head", lm_head.set(weight_axes=("embed", "vocab"), input_axes=("batch", "seq", "embed")))
 
-    def logits(self, input_ids: jax.Array, positions: jax.Array | None = None, kv_mask=None) -> jax.Array:
+    def logits(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array | None = None,
+        kv_mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
         """input_ids `[batch, seq]` -> float32 logits `[batch, seq, vocab_size]`.
+
+        Args:
+            input_ids: `[batch, seq]` int token ids.
+            positions: `[batch, seq]` int position of each token within its document (the
+                input position embedding and every attention layer's, e.g. RoPE, read
+                them); default `arange(seq)` in every row.
+            kv_mask: `[batch, seq]` bool, False for keys no query may attend; default all valid.
+            segment_ids: `[batch, seq]` int document number of each token in a packed row
+                (`axcore.data.schema`: from 1, 0 = padding); a token attends only to tokens
+                of its own segment, in every attention layer. Default: one segment per row.
 
         The embedded input (`RESIDUAL_AXES`) and the logits (`LOGITS_AXES`) carry sharding
         constraints under a mesh.
         """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
-        x = self.decoder(self._embed(input_ids, positions), positions=positions, kv_mask=kv_mask)
+        layer_inputs = {"positions": positions, "kv_mask": kv_mask}
+        if segment_ids is not None:  # Left out otherwise, so a decoder without segment support still runs.
+            layer_inputs["segment_ids"] = segment_ids
+        x = self.decoder(self._embed(input_ids, positions), **layer_inputs)
         return self._head(x)
 
     @no_context
@@ -164,24 +185,47 @@ class CausalLM(BaseLayer):
         logits = self.lm_head(x) if "lm_head" in self.children else self.embedding.attend(x)
         return self._constrain(logits, LOGITS_AXES)
 
+    @no_context
+    def accepted_batch_fields(self) -> frozenset[str]:
+        """Names of the batch fields `forward` reads: every `axcore.data.schema.BATCH_SCHEMA`
+        field plus `kv_mask`. The trainer checks the input pipeline's schema against it
+        (`BATCH_SCHEMA.check_accepted`), so a field this model would ignore is an error."""
+        return ACCEPTED_BATCH_FIELDS
+
     def forward(self, input_batch: dict) -> tuple[jax.Array, dict]:
-        """Training loss.
+        """Training loss of a batch of (possibly packed) rows.
 
         Args:
-            input_batch: `input_ids` and `target_labels` `[batch, seq]` int; optional
-                `target_weights` `[batch, seq]` (default: labels >= 0), `positions`,
-                `kv_mask` (False for padding).
+            input_batch: the fields of `axcore.data.schema.BATCH_SCHEMA`, each `[batch, seq]`:
+                `input_ids` and `target_labels` int (required; labels < 0 are ignored);
+                optional `target_weights` float (default: labels >= 0), `positions` int
+                (per-document positions, restarting at 0 with each document; default
+                `arange(seq)`), `segment_ids` int (document number within the row from 1,
+                0 = padding; no token attends across segments; default one segment), and
+                `kv_mask` bool (False for padding keys). Other keys are an error.
 
         Returns:
             `(loss, metrics)`: loss = cross-entropy + z_loss_scale * z-loss + the sum of
-            every `aux_loss` that descendants recorded with `add_module_output`.
+            every `aux_loss` that descendants recorded with `add_module_output`. The
+            cross-entropy is the `target_weights`-weighted mean over tokens, and
+            `metrics["num_tokens"]` their weight sum, so `loss * num_tokens` (without
+            z-loss and aux losses) sums over tokens however the documents are packed.
         """
+        unknown = sorted(set(input_batch) - self.accepted_batch_fields())
+        if unknown:
+            raise ValueError(
+                f"{self.path}: the input batch has fields {unknown} that {type(self).__name__}.forward does not "
+                f"read (it reads {sorted(self.accepted_batch_fields())}); drop them or use a model that takes them."
+            )
         labels = input_batch["target_labels"]
         weights = input_batch.get("target_weights")
         if weights is None:
             weights = (labels >= 0).astype(jnp.float32)
         logits = self.logits(
-            input_batch["input_ids"], input_batch.get("positions"), input_batch.get("kv_mask")
+            input_batch["input_ids"],
+            positions=input_batch.get("positions"),
+            kv_mask=input_batch.get("kv_mask"),
+            segment_ids=input_batch.get("segment_ids"),
         )
         loss, metrics = cross_entropy(logits, jnp.maximum(labels, 0), weights, self._config.z_loss_scale)
         aux = sum_aux_losses(self.output_collection.module_outputs)

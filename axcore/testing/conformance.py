@@ -13,10 +13,14 @@ attributes configure a suite; see each class.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from axcore.experiment import load_experiment
@@ -67,6 +71,67 @@ class AttentionKernelConformance:
         )
         if not support:
             pytest.skip(f"{self.kernel.name} declines: {support.reason}")
+
+    def test_segment_ids_keep_packed_documents_apart(self):
+        """Packed rows (the first case's shape, q_len == kv_len): each segment attends as if alone."""
+        support = check_segment_ids(self.kernel, self.cases[0], platform=self.platform, tolerances=self.tolerances)
+        if not support:
+            pytest.skip(f"{self.kernel.name} declines: {support.reason}")
+
+
+def segment_lengths(length: int, batch: int) -> list[list[int]]:
+    """Segment lengths of each packed row of `length` tokens: even rows in three, odd rows in two."""
+    if length < 4:
+        raise ValueError(f"packed rows need at least 4 tokens, got {length}")
+    three = [3 * length // 8, 3 * length // 8]
+    two = [5 * length // 8]
+    return [(three if b % 2 == 0 else two) + [length - sum(three if b % 2 == 0 else two)] for b in range(batch)]
+
+
+def check_segment_ids(
+    kernel: Any, case: _attention.AttentionCase, *, platform: str | None = None, tolerances: dict | None = None
+) -> Any:
+    """Packed rows: the kernel's output and q/k/v gradients with segment ids equal the attention
+    formula (NumPy float64) run on each segment alone; or the kernel declines, with a reason.
+
+    The case's shape and masks are kept, with kv_len = q_len and no key padding; rows pack
+    `segment_lengths` segments, numbered from 1 in even rows and `1, 0` in odd rows (0 is
+    the batch schema's padding: to a kernel, an id like any other). Returns the `Support`
+    of the problem with segment ids (falsy: declined; nothing was run).
+    """
+    case = dataclasses.replace(case, name=f"{case.name}-segments", kv_len=case.q_len, kv_padding=0)
+    support = kernel.is_supported(case.problem(platform, has_segment_ids=True))
+    if not support:
+        assert support.reason.strip(), f"{kernel.name} declined segment ids without a reason"
+        return support
+    lengths = segment_lengths(case.q_len, case.batch)
+    ids = np.stack([np.repeat([1, 2, 3] if b % 2 == 0 else [1, 0], row) for b, row in enumerate(lengths)])
+    inputs = case.inputs()
+    want_out = np.zeros(inputs["q"].shape)
+    want_grads = [np.zeros(inputs[n].shape) for n in ("q", "k", "v")]
+    for b, row in enumerate(lengths):
+        for start, n in zip(np.cumsum([0, *row[:-1]]), row):
+            alone = dataclasses.replace(case, batch=1, q_len=n, kv_len=n)
+            span = (slice(b, b + 1), slice(start, start + n))
+            out, grads = _attention.numpy_attention(alone, *(inputs[k][span] for k in ("q", "k", "v", "d_out")))
+            want_out[span] = out
+            for want, grad in zip(want_grads, grads):
+                want[span] = grad
+    def loss(q, k, v):
+        segments = jnp.asarray(ids, jnp.int32)
+        out = kernel(case.problem(platform, has_segment_ids=True), q, k, v, q_segment_ids=segments,
+                     kv_segment_ids=segments)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(inputs["d_out"], jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        *(jnp.asarray(inputs[n]) for n in ("q", "k", "v"))
+    )
+    tol_out, tol_grad = {**_attention.DEFAULT_TOLERANCES, **(tolerances or {})}[case.dtype]
+    where = f"kernel {kernel.name!r}, case {case.name} (segments {lengths})"
+    _attention._close("output", out, want_out, tol_out, where)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
+        _attention._close(name, got, want, tol_grad, where)
+    return support
 
 
 class PositionEmbeddingConformance:

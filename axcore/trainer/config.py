@@ -75,8 +75,8 @@ class TrainerConfig(ConfigBase):
     max_steps: Annotated[int, Positive] = 300
     # Evaluate on the held-out split every N steps (and at the end); 0 disables.
     eval_every: Annotated[int, NonNegative] = 100
-    # Held-out batches per evaluation.
-    eval_batches: Annotated[int, Positive] = 8
+    # Held-out batches per evaluation (the eval split's first ones); 0 or null = the whole eval split.
+    eval_batches: Annotated[int, NonNegative] | None = 8
     # Read metrics back from the device (record, progress, non-finite check) every N steps (and at eval/checkpoint/last).
     log_every: Annotated[int, Positive] = 10
     # Seed of parameter initialization and of per-step randomness (dropout).

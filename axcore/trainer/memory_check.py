@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from axcore.data.schema import BATCH_SCHEMA
 from axcore.errors import AxcoreError
 
 
@@ -73,7 +74,7 @@ def check_state_memory(abstract_state: Any, mesh: jax.sharding.Mesh, batch_token
     Args:
         abstract_state: the train state as ShapeDtypeStructs with their shardings.
         mesh: the run's mesh (its first device's memory is the limit).
-        batch_tokens: batch_size * seq_len (the host holds inputs and labels, int32).
+        batch_tokens: batch_size * seq_len (the host holds every BATCH_SCHEMA field of each token).
     """
     state = _per_device_bytes(abstract_state)
     limit = device_memory_bytes(mesh.devices.flat[0])
@@ -84,10 +85,11 @@ def check_state_memory(abstract_state: Any, mesh: jax.sharding.Mesh, batch_token
             f"over more devices (mesh.mesh_shape, mesh.axis_rules)."
         )
     host = host_memory_bytes()
-    batch = 2 * 4 * batch_tokens  # input_ids and target_labels, int32.
+    per_token = sum(np.dtype(f.dtype).itemsize for f in BATCH_SCHEMA.fields)
+    batch = per_token * batch_tokens
     if host is not None and batch > host // 2:
         raise MemoryEstimateError(
-            f"One batch needs {_gib(batch)} of host memory (input.batch_size x input.seq_len x 8 bytes), more "
+            f"One batch needs {_gib(batch)} of host memory (input.batch_size x input.seq_len x {per_token} bytes), more "
             f"than half of this host's {_gib(host)}; lower input.batch_size or input.seq_len."
         )
 

@@ -2,7 +2,8 @@
 
 A *parameters-only* checkpoint holds the tree `{"params": ...}` and the metadata
 `params_only_metadata(step, seed)`: `{"params_only": true, "step": N, "seed": S, "input":
-{"epoch": 0, "position": 0}}`. It is what `axcore.run_loading.save_model` (and so
+null}` (no input position: training from it reads its data from the beginning; older
+imports' `{"epoch": 0, "position": 0}` is ignored the same way). It is what `axcore.run_loading.save_model` (and so
 `axcore convert hf-to-axcore`) writes: no optimizer moments, which are a fresh optimizer's
 zeros anyway, so the checkpoint is a third of a train state's size and loading it for
 inference reads nothing but the weights.
@@ -32,7 +33,7 @@ PARAMS_ONLY = "params_only"
 
 def params_only_metadata(step: int, seed: int) -> dict:
     """The metadata of a parameters-only checkpoint of `step` whose PRNG key comes from `seed`."""
-    return {PARAMS_ONLY: True, "step": int(step), "seed": int(seed), "input": {"epoch": 0, "position": 0}}
+    return {PARAMS_ONLY: True, "step": int(step), "seed": int(seed), "input": None}
 
 
 def restore_train_state(

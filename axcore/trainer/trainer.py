@@ -2,9 +2,12 @@
 
 Train state (a plain dict, so every checkpoint backend can store it):
 `{"params", "opt_state", "step": int32 [], "prng_key": uint32 key data}`. The step's
-randomness is `fold_in(prng_key, step)`, and the input iterator's position is saved
-with each checkpoint, so a resumed run computes exactly what an uninterrupted one
-would have. Parameters are stored in their `param_dtype` (float32 by default, also
+randomness is `fold_in(prng_key, step)`, and the input pipeline's state after the last
+consumed batch (every process's data shards, gathered; `axcore.trainer.inputs`) is
+saved with each checkpoint, so a resumed run computes exactly what an uninterrupted one
+would have. Batches come from `axcore.data.device_loader.DeviceLoader`: each process
+builds only its own rows in a background thread; `train/data_wait` is the time the loop
+waited for them. Parameters are stored in their `param_dtype` (float32 by default, also
 when the model computes in bfloat16), and so is the optimizer state unless the
 optimizer says otherwise.
 
@@ -36,7 +39,9 @@ import optax
 from jax.experimental import multihost_utils
 
 from axcore.data import Split
-from axcore.distributed import is_primary, place_batch
+from axcore.data.device_loader import DeviceLoader, shard_layout
+from axcore.data.schema import BATCH_SCHEMA
+from axcore.distributed import is_primary
 from axcore.errors import AxcoreError, ConfigError
 from axcore.experiment import Experiment
 from axcore.kernels import describe_kernel_choices, op_environment, record_kernel_choices
@@ -45,6 +50,8 @@ from axcore.observe import MultiWriter, ProgressBar, plot_loss_curve
 from axcore.observe.factories import JsonlWriterFactory
 from axcore.sharding import batch_sharding, check_batch_size, make_mesh, parameter_shardings, resolve_rules
 from axcore.trainer.config import make_checkpoint_backend
+from axcore.trainer.evaluate import EvalTotals, accumulate_step, run_evaluation
+from axcore.trainer.inputs import DataWaitMeter, gather_input_state, input_pipeline, restore_input_state
 from axcore.trainer.memory_check import check_compiled_memory, check_state_memory
 from axcore.generation import Generator, Sampling
 from axcore.trainer.interrupt import InterruptGuard, RunInterrupted, abort, interrupted, resume_command
@@ -160,6 +167,7 @@ class Trainer:
         # Logical -> mesh axes: the mesh rule's axis_rules over axcore.sharding.DEFAULT_AXIS_RULES.
         self.axis_rules = resolve_rules(self.cfg.mesh.axis_rules)
         self.model = self.cfg.model.instantiate(name="model", registries=experiment.registries)
+        BATCH_SCHEMA.check_accepted(self.model.accepted_batch_fields(), f"model ({type(self.model).__name__})")
         # Tokenizes text sources and the end-of-run sample.
         self.tokenizer = self.cfg.tokenizer.instantiate()
         model_vocab = self.cfg.model.vocab_size if "vocab_size" in self.cfg.model.keys() else None
@@ -178,6 +186,10 @@ class Trainer:
         # Batches `[batch, ...]`: the batch dim split over the mesh axes of logical axis "batch" (data, fsdp).
         check_batch_size(self.cfg.input.batch_size, self.mesh, self.axis_rules)
         self.batch_sharding = batch_sharding(self.mesh, self.axis_rules)
+        # The data shards this process reads (ConfigError when input.data_shards does not fit the layout).
+        self.shard_layout = shard_layout(
+            self.batch_sharding, (self.cfg.input.batch_size, self.cfg.input.seq_len), self.cfg.input.data_shards
+        )
         # Raises ConfigError naming a parameter whose dims do not divide their mesh axes.
         param_shardings = parameter_shardings(specs, self.axis_rules, self.mesh)
         self.state_shardings = self._state_shardings(param_shardings)
@@ -334,15 +346,35 @@ class Trainer:
             donate_argnums=0,
         )
 
-    def evaluate(self, eval_step, params: dict, iterator) -> float:
-        """Token-weighted held-out cross-entropy over the first `eval_batches` batches."""
-        iterator.set_state({"epoch": 0, "position": 0})  # The same held-out batches every time.
-        xent, tokens = 0.0, 0.0
-        for _, batch in zip(range(self.cfg.trainer.eval_batches), iterator):
-            result = eval_step(params, place_batch(batch, self.batch_sharding))
-            xent += float(result["xent_sum"])
-            tokens += float(result["tokens"])
-        return xent / max(tokens, 1.0)
+    def compiled_eval_step(self):
+        """`(params, batch, totals) -> totals`, jitted: adds a batch's weighted cross-entropy and weights on device."""
+        return jax.jit(
+            accumulate_step(self._eval_step),
+            in_shardings=(self.state_shardings["params"], self.batch_sharding, None),
+            donate_argnums=2,
+        )
+
+    def eval_loader(self, pipeline: Any = None) -> DeviceLoader:
+        """The eval split (one pass, in order) of this process's data shards, on the devices; `pipeline`
+        replaces it (host batches of this process's rows)."""
+        if pipeline is None:
+            vocab = self.cfg.model.vocab_size if "vocab_size" in self.cfg.model.keys() else None
+            pipeline = input_pipeline(self.cfg.input, Split.EVAL, self.tokenizer, vocab, self.shard_layout)
+        shape = (self.cfg.input.batch_size, self.cfg.input.seq_len)
+        return DeviceLoader(pipeline, self.batch_sharding, shape, local_rows=self.shard_layout.local_rows,
+                            where="The eval split's batch")
+
+    def evaluate(self, params: dict, max_batches: int | None = None, *, eval_step=None, loader=None) -> EvalTotals:
+        """Held-out loss of `params` (axcore.trainer.evaluate): the eval split from its start, at most
+        `max_batches` batches (None: `trainer.eval_batches`; 0: the whole split)."""
+        if max_batches is None:
+            max_batches = self.cfg.trainer.eval_batches
+        eval_step = eval_step or self.compiled_eval_step()
+        loader = loader or self.eval_loader()
+        try:
+            return run_evaluation(eval_step, params, loader, max_batches)
+        finally:
+            loader.close()
 
     # -- The run ----------------------------------------------------------------------
 
@@ -369,11 +401,7 @@ class Trainer:
             )
 
     def _abstract_batch(self) -> dict:
-        shape = (self.cfg.input.batch_size, self.cfg.input.seq_len)
-        return {
-            key: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)
-            for key in ("input_ids", "target_labels")
-        }
+        return BATCH_SCHEMA.shapes(self.cfg.input.batch_size, self.cfg.input.seq_len, self.batch_sharding)
 
     def _compile_train_step(self):
         """The jitted train step, compiled ahead (which fills JAX's cache for its first call).
@@ -421,10 +449,10 @@ class Trainer:
         """
         tcfg = self.cfg.trainer
         vocab = self.cfg.model.vocab_size if "vocab_size" in self.cfg.model.keys() else None
-        train_iter = self.cfg.input.make_iterator(Split.TRAIN, self.tokenizer, vocab_size=vocab)
-        eval_iter = self.cfg.input.make_iterator(Split.EVAL, self.tokenizer, vocab_size=vocab) if tcfg.eval_every else None
-        if tcfg.check_memory:
+        if tcfg.check_memory:  # First: a batch too big for host memory is refused before any of it is built.
             check_state_memory(self.abstract_state(), self.mesh, self.cfg.input.batch_size * self.cfg.input.seq_len)
+        # This process's data shards only; read in a background thread once training starts.
+        train_pipeline = input_pipeline(self.cfg.input, Split.TRAIN, self.tokenizer, vocab, self.shard_layout)
         train_step = self._compile_train_step()
         run_dir = self._lock_run_dir()
         backend = None
@@ -433,7 +461,7 @@ class Trainer:
         try:
             self._save_config()
             backend = make_checkpoint_backend(tcfg.checkpoint, self.experiment.registries, self.run_dir / "checkpoints")
-            return self._train(backend, train_step, train_iter, eval_iter)
+            return self._train(backend, train_step, train_pipeline)
         except KeyboardInterrupt as e:  # Marked INTERRUPTED, not FAILED; the error's line says how to resume.
             raise self._interrupted(run_dir, e) from None
         except BaseException as e:
@@ -460,10 +488,10 @@ class Trainer:
         resume = resume_command(self.command, self.run_dir, bool(self.cfg.trainer.run_dir))
         abort(run_dir, backend, self._has_checkpoint(), resume, is_primary())
 
-    def _train(self, backend, train_step, train_iter, eval_iter) -> TrainResult:
+    def _train(self, backend, train_step, train_pipeline) -> TrainResult:
         tcfg = self.cfg.trainer
         writer = MultiWriter([])
-        progress = None
+        progress = loader = None
         from axcore.trainer.watchdog import Watchdog  # Hang detection: armed by the first beat (step compiled).
 
         watchdog = Watchdog.for_run(tcfg.watchdog, self.run_dir, jax.process_index(), jax.process_count())
@@ -477,8 +505,10 @@ class Trainer:
                 report = lambda line: print(line, file=self.stream)  # noqa: E731
                 started = time.perf_counter()
                 state, metadata, params_only = restore_train_state(self, backend, ckpt.restore_step, report)
-                train_iter.set_state(metadata["input"])
                 start = int(state["step"])
+                where = f"step {start} in {self.run_dir / 'checkpoints'}"
+                if not params_only:  # An import has no input position: its data starts from the beginning.
+                    restore_input_state(train_pipeline, metadata["input"], self.shard_layout, where)
                 fresh = "parameters only, optimizer state initialized; " if params_only else ""
                 print(
                     f"Resumed from step {start} in {self.run_dir} ({fresh}restored in {time.perf_counter() - started:.2f} s)",
@@ -489,7 +519,20 @@ class Trainer:
                 writer.writers.append(writer_cfg.instantiate().create_resumed(self.run_dir, start))
             if state is None:
                 state = self.init_state()
-            eval_step = jax.jit(self._eval_step, in_shardings=(self.state_shardings["params"], self.batch_sharding))
+            eval_step = self.compiled_eval_step()
+            layout = self.shard_layout
+            # Every process says which rows it reads (process 0 on the run's stream, the others on stderr).
+            say_input = lambda line: print(line, file=self.stream if is_primary() else sys.stderr)  # noqa: E731
+            say_input(
+                f"Input: process {jax.process_index()} reads data shards {list(layout.shards)} of {layout.num_shards} "
+                f"({layout.local_rows} of {self.cfg.input.batch_size} rows per batch)"
+            )
+            read = [0, 0]  # Rows and non-padding tokens of the batches this process's steps consumed.
+            shape = (self.cfg.input.batch_size, self.cfg.input.seq_len)
+            input_state = train_pipeline.state()  # Before the loader's thread owns the pipeline.
+            loader = DeviceLoader(train_pipeline, self.batch_sharding, shape, local_rows=layout.local_rows,
+                                  where="The training batch")
+            data_wait = DataWaitMeter(self.stream)
             progress = ProgressBar(tcfg.max_steps, stream=self.stream, log_every=tcfg.log_every, start_step=start)
             tokens_per_step = self.cfg.input.batch_size * self.cfg.input.seq_len
             train_loss = eval_loss = None
@@ -498,8 +541,10 @@ class Trainer:
             interval_start, fetched_step = time.perf_counter(), start
             self._interrupt.install()
             for step in range(start + 1, tcfg.max_steps + 1):
-                batch = place_batch(next(train_iter), self.batch_sharding)
-                state, metrics = train_step(state, batch)
+                loaded = next(loader)
+                input_state = loaded.state  # The pipeline's state after the last batch a step consumed.
+                read[0], read[1] = read[0] + loaded.rows, read[1] + loaded.tokens
+                state, metrics = train_step(state, loaded.batch)
                 watchdog.beat(step)
                 unchecked.append((step, (metrics["loss"], metrics["grad_norm"])))
                 last = step == tcfg.max_steps
@@ -510,22 +555,30 @@ class Trainer:
                 if not (step % tcfg.log_every == 0 or evaluate or save or last):
                     continue  # No host sync: the device runs ahead.
                 checks, metrics = jax.device_get(([c for _, c in unchecked], metrics))
-                step_time = (time.perf_counter() - interval_start) / (step - fetched_step)
+                steps = step - fetched_step
+                step_time = (time.perf_counter() - interval_start) / steps
                 self._check_finite([s for s, _ in unchecked], [(float(a), float(b)) for a, b in checks], backend)
                 unchecked, fetched_step = [], step
                 record = {f"train/{k}": float(v) for k, v in metrics.items()}
                 record["train/tokens_per_sec"] = tokens_per_step / step_time
                 record["train/step_time"] = step_time
+                record.update(data_wait.interval(loader.take_wait(), steps, step_time, step - steps + 1, step))
+                record.update(loader.stats())  # Packing efficiency, tokens per mixture component.
                 train_loss = record["train/loss"]
+                progress.update(step, train_loss, tokens_per_step / step_time, step_time)
                 if evaluate:
                     watchdog.beat(step, "eval")
-                    eval_loss = self.evaluate(eval_step, state["params"], eval_iter)
-                    record["eval/loss"] = eval_loss
+                    result = self.evaluate(state["params"], eval_step=eval_step)
+                    eval_loss = result.loss
+                    record["eval/loss"], record["eval/tokens"] = result.loss, result.tokens
+                    self._say(
+                        f"eval at step {step}: loss {result.loss:.4f} over {int(result.tokens)} tokens "
+                        f"({result.batches} batches{'' if result.complete else ', trainer.eval_batches'})"
+                    )
                 writer.write(step, record)
-                progress.update(step, train_loss, tokens_per_step / step_time, step_time)
                 if save:
                     watchdog.beat(step, "checkpoint save")
-                    backend.save(step, state, {"input": train_iter.state(), "step": step})
+                    backend.save(step, state, {"input": gather_input_state(input_state), "step": step})
                 if stop:
                     backend.wait()  # Committed (a second Ctrl-C aborts the wait and the save).
                     raise RunInterrupted(step=step, saved=True)
@@ -533,9 +586,13 @@ class Trainer:
                 watchdog.beat(step)
             watchdog.beat(activity="waiting for checkpoint writes")
             backend.wait()
+            say_input(f"Input: process {jax.process_index()} read {read[0]} rows, {read[1]} tokens (steps {start + 1}.."
+                      f"{tcfg.max_steps})")
         finally:
             self._interrupt.uninstall()
             watchdog.stop()  # Nothing fires after training.
+            if loader is not None:
+                loader.close()
             if progress is not None:
                 progress.close()
             writer.close()
@@ -548,6 +605,11 @@ class Trainer:
             )
         sample = self._sample(state["params"])
         return TrainResult(self.run_dir, int(state["step"]), train_loss, eval_loss, sample)
+
+    def _say(self, line: str) -> None:
+        """One line on the run's stream, below a progress line redrawn on a terminal."""
+        isatty = getattr(self.stream, "isatty", None)
+        print(("\n" if isatty is not None and isatty() else "") + line, file=self.stream)
 
     def _sample(self, params: dict) -> str:
         scfg = self.cfg.trainer.sample

@@ -23,10 +23,13 @@ Declined, with the reason: another platform, float32 (cuDNN flash attention take
 bfloat16/float16), head_dim not a multiple of 8 or over 128 (256 on sm90+), devices
 older than sm80, causal attention with q_len != kv_len (cuDNN's causal mask is
 top-left aligned, axcore's end-aligned), a non-causal window shorter than kv_len
-(cuDNN windows only causal attention), segment ids, logit soft-cap, attention
-dropout, ALiBi slopes, a bias function and a dense bias (none has an exact mapping
-through `jax.nn.dot_product_attention`), unknown extras, and input specs that shard
-anything but batch and heads.
+(cuDNN windows only causal attention), segment ids (`jax.nn.dot_product_attention`
+takes none; a dense `[b, 1, t, s]` mask would express them, but cuDNN adds a mask as a
+bias, the slow path that gives up the fused kernel's memory savings, so packed batches
+go to the next kernel that takes them: the reference, or `pallas` where it is chosen), logit
+soft-cap, attention dropout, ALiBi slopes, a bias function and a dense bias (none has
+an exact mapping through `jax.nn.dot_product_attention`), unknown extras, and input
+specs that shard anything but batch and heads.
 
 Under a multi-device mesh whose input specs shard batch and/or heads, the call runs
 inside `jax.shard_map` over those axes (each device attends its own rows and heads),
@@ -158,7 +161,11 @@ class CudnnAttention:
     @staticmethod
     def _check_capabilities(problem: AttentionProblem) -> Support:
         declined = [
-            (problem.has_segment_ids, "segment ids (jax.nn.dot_product_attention takes none)"),
+            (
+                problem.has_segment_ids,
+                "segment ids (jax.nn.dot_product_attention takes none; as a dense mask they would give up "
+                "the fused kernel's memory savings)",
+            ),
             (problem.softcap is not None, "logit soft-cap (jax.nn.dot_product_attention has none)"),
             (problem.dropout_rate > 0.0, "attention dropout (jax.nn.dot_product_attention has none)"),
             (problem.bias_slopes is not None, "ALiBi slopes (only as a dense bias, which defeats the fused kernel)"),

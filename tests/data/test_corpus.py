@@ -6,7 +6,7 @@ import re
 
 import numpy as np
 
-from axcore.data import CORPUS_FILES, DOCUMENT_SEPARATOR, EmbeddedCorpus, Split, read_corpus_documents
+from axcore.data import CORPUS_FILES, EmbeddedCorpus, Split, read_corpus_documents
 
 CORPUS_DIR = importlib.resources.files("axcore.data").joinpath("corpus")
 
@@ -50,18 +50,19 @@ def test_source_md_names_package_and_licence():
         assert name in source
 
 
-def test_embedded_corpus_tokens_are_the_bytes():
+def test_embedded_corpus_documents_are_the_chapters_in_bytes():
     source = EmbeddedCorpus.default_config().instantiate()
-    train, eval_ = source.tokens(Split.TRAIN), source.tokens(Split.EVAL)
-    stream = DOCUMENT_SEPARATOR.join(read_corpus_documents())
-    # Four documents are too few to split by count: the last 5% of the bytes are eval.
-    assert len(eval_) == round(len(stream) * 0.05)
-    assert np.concatenate([train, eval_]).tobytes() == stream
-    assert train.max() < 256
+    texts = [bytes(source.document(i)["tokens"].astype(np.uint8)) for i in range(source.num_documents())]
+    assert b"".join(texts) == b"".join(read_corpus_documents())  # Every byte, once, in order.
+    # One document per chapter heading (the title page joins the first chapter of its novel).
+    headings = sum(len(re.findall(rb"(?m)^(?:CHAPTER|Chapter) [0-9IVXLC]+\b", d)) for d in read_corpus_documents())
+    assert len(texts) == headings == 166
+    starts = [i for i, t in enumerate(texts) if not re.match(rb"(?:CHAPTER|Chapter) [0-9IVXLC]+\b", t)]
+    assert len(starts) == len(CORPUS_FILES) and starts[0] == 0  # Only each novel's first document (its title page).
 
 
-def test_embedded_corpus_splits_by_document_when_it_can():
-    source = EmbeddedCorpus.default_config().set(eval_fraction=0.25).instantiate()
-    docs = read_corpus_documents()
-    assert source.tokens(Split.EVAL).tobytes() == docs[-1]
-    assert source.tokens(Split.TRAIN).tobytes() == DOCUMENT_SEPARATOR.join(docs[:-1])
+def test_embedded_corpus_holds_out_spread_chapters():
+    source = EmbeddedCorpus.default_config().instantiate()
+    held_out = source.split_indices(Split.EVAL)
+    assert list(held_out) == [k for k in range(166) if int((k + 1) * 0.05) > int(k * 0.05)]
+    assert len(held_out) == 8 and not set(held_out) & set(source.split_indices(Split.TRAIN))

@@ -1,10 +1,10 @@
-"""Text sources tokenize with the experiment's tokenizer; pre-tokenized ones ignore it."""
+"""Text sources tokenize with the experiment's tokenizer, document by document."""
 
 import numpy as np
 import pytest
 
 import axcore
-from axcore.data import DataError, Split, Tokenizer
+from axcore.data import Split, Tokenizer
 
 from tiny import TINY
 
@@ -30,39 +30,28 @@ class VowelPlugin:
         register("vowels", VowelTokenizer)
 
 
-def _write(tmp_path, docs):
+def test_text_files_are_tokenized_with_the_experiments_tokenizer(tmp_path):
+    docs = ["one apple a day " * 3, "keeps the doctor away " * 3]
     paths = []
     for i, doc in enumerate(docs):
-        path = tmp_path / f"doc{i}.txt"
-        path.write_text(doc, encoding="utf-8")
-        paths.append(str(path))
-    return paths
-
-
-def test_text_files_are_tokenized_with_the_experiments_tokenizer(tmp_path):
-    docs = ["one apple a day " * 30, "keeps the doctor away " * 30]
-    paths = _write(tmp_path, docs)
-    overrides = [f"input.source={{type: text_files, paths: {paths}, eval_fraction: 0.5}}", "input.seq_len=16"]
+        (tmp_path / f"doc{i}.txt").write_text(doc, encoding="utf-8")
+        paths.append(str(tmp_path / f"doc{i}.txt"))
+    overrides = [f"input.source={{type: text_files, paths: {paths}, eval_fraction: 0.5}}", "input.seq_len=128",
+                 "input.batch_size=1", "input.shuffle=false"]
     exp = axcore.load_experiment(
         None, [*overrides, "tokenizer.type=vowels", "plugins=[vowels]", "model.vocab_size=257"], objects={"vowels": VowelPlugin()}
     )
     tokenizer = exp.config.tokenizer.instantiate()
-    source = exp.config.input.source.instantiate()
-    source.use_tokenizer(tokenizer)
-    np.testing.assert_array_equal(source.tokens(Split.TRAIN), VowelTokenizer().encode(docs[0]))
-    np.testing.assert_array_equal(source.tokens(Split.EVAL), VowelTokenizer().encode(docs[1]))
-    batch = next(exp.config.input.make_iterator(Split.TRAIN, tokenizer))
-    assert batch["input_ids"].max() <= 256 and (batch["input_ids"] == 0).any()  # Vowels became token 0.
-    # Without a tokenizer (or with bytes), the same source gives UTF-8 bytes.
-    plain = exp.config.input.source.instantiate()
-    np.testing.assert_array_equal(plain.tokens(Split.TRAIN), np.frombuffer(docs[0].encode(), np.uint8))
-
-
-def test_tokenizer_set_after_reading_is_refused(tmp_path):
-    source = axcore.load_experiment(None, [f"input.source={{type: text_files, paths: {_write(tmp_path, ['abc ' * 50])}}}"]).config.input.source.instantiate()
-    source.tokens(Split.TRAIN)
-    with pytest.raises(DataError, match="before reading"):
-        source.use_tokenizer(VowelTokenizer())
+    for split, doc in ((Split.TRAIN, docs[0]), (Split.EVAL, docs[1])):
+        batch = next(exp.config.input.make_pipeline(split, tokenizer, vocab_size=257))
+        ids = VowelTokenizer().encode(doc)
+        n = len(ids) - 1
+        np.testing.assert_array_equal(batch["input_ids"][0, :n], ids[:-1])
+        np.testing.assert_array_equal(batch["target_labels"][0, :n], ids[1:])
+        assert np.all(batch["segment_ids"][0, :n] == 1) and np.all(batch["segment_ids"][0, n:] != 1)
+    # Without a tokenizer, the same source gives UTF-8 bytes.
+    plain = next(exp.config.input.make_pipeline(Split.TRAIN))
+    assert bytes(plain["input_ids"][0, : len(docs[0]) - 1].astype(np.uint8)).decode() == docs[0][:-1]
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_a_config_error():

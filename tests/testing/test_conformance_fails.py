@@ -142,8 +142,13 @@ def test_one_line_subclass_fails_for_a_wrong_kernel(pytester):
         """
     )
     result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=7, failed=1)
-    result.stdout.fnmatch_lines(["*TestWrong::test_matches_the_attention_formula*"])
+    result.assert_outcomes(passed=8, failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*TestWrong::test_matches_the_attention_formula*",
+            "*TestWrong::test_segment_ids_keep_packed_documents_apart*",
+        ]
+    )
 
 
 # -- position embeddings ---------------------------------------------------------------

@@ -26,7 +26,8 @@ committed before its kill: at least 2 verified during a save. At the
 end: every process exited 0 or was killed by the test, the final state (parameters,
 optimizer state, step, PRNG key) read with the backend's `restore` equals the
 reference run's leaf by leaf (`np.array_equal`, same dtype), and so does the
-checkpoint metadata, and the metrics file lists every step exactly once.
+checkpoint metadata (the input pipeline's state included: packed rows from a weighted
+mixture of two sources), and the metrics file lists every step exactly once.
 
 The processes share a persistent JAX compilation cache (filled by the first reference
 run), so a restart costs ~4 s instead of ~10 s; the cache holds the same compiled
@@ -77,6 +78,10 @@ CONFIG = [
     "trainer.learner.schedule.warmup_steps=2",
     "model.decoder.layer.dropout_rate=0.1",  # Per-step randomness must resume exactly too.
     "trainer.metrics_writers=[{type: jsonl}]",
+    # Packed rows (first_fit, the default) from a weighted mixture: the pipeline's state must resume exactly.
+    "input.packing=first_fit",
+    "input.mixture=[{name: book, weight: 3, source: {type: embedded_corpus}},"
+    " {name: other, weight: 1, source: {type: embedded_corpus, eval_fraction: 0.5}}]",
 ]
 
 

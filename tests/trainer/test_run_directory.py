@@ -87,35 +87,30 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
         proc.wait()
 
 
-# `axcore train` whose data source waits, when the 5th train batch is read, until the file named by
-# AXCORE_TEST_GATE exists (a plugin object registers it); the data are the embedded corpus's.
+# `axcore train` whose data source waits, when its 33rd train document is read, until the file named by
+# AXCORE_TEST_GATE exists (a plugin object registers it); the documents are the embedded corpus's chapters
+# cut to one row each (33 tokens), read unpacked (4 per batch) without the pipeline's own prefetch: reading
+# batch 9 waits, so the pipeline (one batch ahead) never hands over batch 8 and the run stops before step 8.
 GATED_TRAIN_SCRIPT = """
 import os, sys, time
-import numpy as np
 import axcore
 from axcore.cli import main
-from axcore.data import Split
 from axcore.data.sources import EmbeddedCorpus
 
 READS = [0]
-
-
-class GatedTokens(np.ndarray):
-    def __getitem__(self, key):
-        if isinstance(key, np.ndarray) and key.ndim == 2:  # One batch's windows.
-            READS[0] += 1
-            while READS[0] == 5 and not os.path.exists(os.environ["AXCORE_TEST_GATE"]):
-                time.sleep(0.02)
-        return super().__getitem__(key)
 
 
 class GatedCorpus(EmbeddedCorpus):
     class Config(EmbeddedCorpus.Config):
         pass
 
-    def _load(self, split):
-        tokens = super()._load(split)
-        return tokens.view(GatedTokens) if split is Split.TRAIN else tokens
+    def document(self, index):
+        document = dict(super().document(index))
+        document["tokens"] = document["tokens"][:33]
+        READS[0] += 1
+        while READS[0] == 33 and not os.path.exists(os.environ["AXCORE_TEST_GATE"]):
+            time.sleep(0.02)
+        return document
 
 
 class GatePlugin:
@@ -138,7 +133,8 @@ def test_a_second_run_on_the_same_directory_is_refused_and_the_first_is_untouche
     steps = 8
 
     def command(run_dir):
-        extra = ["plugins=[gate]", "input.source={type: gated_corpus}", "trainer.checkpoint.keep_last_n=null"]
+        extra = ["plugins=[gate]", "input.source={type: gated_corpus}", "trainer.checkpoint.keep_last_n=null",
+                 "input.packing=none", "input.prefetch=0", "input.read_threads=0"]
         return [sys.executable, str(script), *_overrides(run_dir, steps, extra=extra)]
 
     run_dir = tmp_path / "shared"
@@ -195,14 +191,19 @@ def test_a_run_failing_before_its_first_checkpoint_removes_its_directory(tmp_pat
 
 def test_a_run_failing_after_a_checkpoint_is_marked_failed(tmp_path, capsys):
     tokens = np.arange(4000, dtype=np.uint16) % 200
-    tokens[3 * 128 + 10] = 300  # Read with the 4th batch (4 rows of 32 + 1 tokens, in order): after step 2's save.
+    # Documents of 33 tokens, one per row (4 rows of 32 targets per batch, in order): document 48 is read
+    # around step 12 (the loader reads a few batches ahead), long after step 2's save.
+    tokens[48 * 33 + 5] = 300
     token_file = tmp_path / "tokens.bin"
     tokens.tofile(token_file)
     run_dir = tmp_path / "failed_late"
-    source = ["input.source.type=token_file", f"input.source.path={token_file}", "input.shuffle=false"]
-    assert cli.main(_argv(_overrides(run_dir, 6, every=2, extra=source))) == 2
+    source = [
+        "input.source.type=token_file", f"input.source.path={token_file}", "input.source.document_tokens=33",
+        "input.shuffle=false", "input.packing=none",
+    ]
+    assert cli.main(_argv(_overrides(run_dir, 20, every=2, extra=source))) == 2
     err = capsys.readouterr().err
-    assert "holds token id 300 at position 394" in err, err
+    assert f"token file '{token_file}' tokens {48 * 33}.. holds token id 300" in err, err
     assert f"Marked {run_dir} as failed (FAILED); its checkpoints are kept." in err
     assert "holds token id 300" in (run_dir / FAILED_FILE).read_text()
     assert (run_dir / "checkpoints").is_dir()
@@ -251,7 +252,8 @@ def test_a_huge_batch_is_refused_before_it_is_read(tmp_path, capsys, monkeypatch
     overrides = [*tiny.TINY, "input.batch_size=1000000000", "trainer.max_steps=1"]
     assert cli.main(_argv(overrides)) == 2
     err = capsys.readouterr().err.strip()
-    assert "of host memory (input.batch_size x input.seq_len x 8 bytes)" in err, err
+    # Every field of the batch schema: 4 int32 fields and a float32 one, 20 bytes per token.
+    assert "of host memory (input.batch_size x input.seq_len x 20 bytes)" in err, err
     assert os.listdir(tmp_path) == []
 
 

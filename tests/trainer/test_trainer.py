@@ -65,9 +65,20 @@ def test_training_writes_every_artifact_and_loss_falls(tmp_path, capsys):
     assert saved["model"]["dim"] == 32 and saved["trainer"]["max_steps"] == 30
     assert "model.dim: 32" in (run / "config.txt").read_text()
     assert result.sample.startswith("The ") and len(result.sample.encode()) >= 4 + 8 - 3
-    assert "Sample:" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "Sample:" in captured.out
+    # The eval loss is on the console with the tokens it covers (2 batches of 4 x 32, padding excluded).
+    for step, loss in evals:
+        tokens = next(r["eval/tokens"] for r in records if r["step"] == step)
+        assert 0 < tokens <= 2 * 4 * 32
+        assert f"eval at step {step}: loss {loss:.4f} over {int(tokens)} tokens (2 batches" in captured.err
+    # The time the loop waited for data, per step and as a share of the step time.
+    for record in records:
+        assert 0 <= record["train/data_wait"] <= record["train/step_time"]
+        assert record["train/data_wait_fraction"] == pytest.approx(record["train/data_wait"] / record["train/step_time"])
     _, metadata = _params(run, "orbax")
-    assert metadata["step"] == 30 and set(metadata["input"]) == {"epoch", "position"}
+    # One process, one data shard: the checkpoint holds its pipeline state under "input".
+    assert metadata["step"] == 30 and metadata["input"]["num_shards"] == 1 and list(metadata["input"]["shards"]) == ["0"]
 
 
 def test_metrics_are_fetched_only_at_log_eval_checkpoint_and_last_steps(tmp_path):

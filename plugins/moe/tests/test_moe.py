@@ -103,7 +103,7 @@ def test_installed_but_not_listed_changes_nothing():
     assert "moe" in {ep.name for ep in importlib.metadata.entry_points(group="axcore")}
     exp = load_experiment(None, [FIXED_MESH])
     golden = (GOLDEN / "default.txt").read_text()
-    assert exp.flat() == "".join(line for line in golden.splitlines(True) if not line.startswith("# kernel"))
+    assert exp.flat() == "".join(line for line in golden.splitlines(True) if not line.startswith(("# kernel", "# data check")))
     assert "mixture_of_experts" not in exp.flat() and "moe" not in exp.settings
 
 

@@ -18,6 +18,11 @@ else None. Text is always encoded without the file's own post-processor (Hugging
 Face's `add_special_tokens=False`); `add_bos` puts `bos_id` first, and, for data
 sources, `add_eos` puts `eos_id` after each document.
 
+Prepared shards and chat data: `fingerprint()` hashes the tokenizer.json bytes and the
+id-affecting settings (never the path); `chat_template` is `chat_template.jinja` beside
+the file or tokenizer_config.json's "chat_template" (string, or the named list's
+"default"); `encode_with_offsets` gives the library's character offsets per token.
+
 Data sources encode documents with `encode_documents`: in batches (the library's
 parallel `encode_batch`), and a document longer than `max_chunk_chars` in pieces, each
 cut just before a space that lies between two letters ("word| word"). Such a cut is a
@@ -33,6 +38,7 @@ pre-tokenized differently.)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -50,6 +56,10 @@ from axcore.errors import ConfigError
 # File names inside a model directory.
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# A chat template file beside tokenizer.json (transformers' newer format; wins over tokenizer_config.json's).
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# tokenizer_config.json entries passed to chat templates besides bos_token and eos_token (when they name a token).
+_TEMPLATE_TOKENS = ("unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 # Tried in order when neither the config nor tokenizer_config.json names the token.
 KNOWN_BOS = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 KNOWN_EOS = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
@@ -130,6 +140,8 @@ class HFTokenizer(Tokenizer):
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         self._vocab_size = max(vocab.values(), default=-1) + 1
         settings = self._read_tokenizer_config()
+        self._settings = settings
+        self._file_sha256: str | None = None
         self._bos_id = self._special_id(cfg.bos_token, settings.get("bos_token"), KNOWN_BOS, "bos_token", vocab)
         self._eos_id = self._special_id(cfg.eos_token, settings.get("eos_token"), KNOWN_EOS, "eos_token", vocab)
         for flag, token_id, name in ((cfg.add_bos, self._bos_id, "bos"), (cfg.add_eos, self._eos_id, "eos")):
@@ -184,6 +196,98 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> np.ndarray:
         """`text` -> int32 ids `[num_tokens]` (BOS first if `add_bos`)."""
         return self._with_specials(self._encode_pieces([text]), eos=False)
+
+    def encode_with_offsets(self, text: str, *, document: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """`text` -> (int32 ids `[n]`, int64 character spans `[n, 2]`), the library's `Encoding.offsets`.
+
+        The ids equal `encode(text)` (`document=True`: `encode_documents([text])[0]`, so EOS
+        per `add_eos`); long texts are encoded in the same pieces, their offsets shifted back
+        into `text`. BOS gets the empty span (0, 0), EOS (len, len). Offsets are the
+        library's: a token inside a multi-byte character spans that character, and
+        tokenizers whose post-processor trims offsets (`trim_offsets`) give whitespace-only
+        tokens an empty span (and the first token of a piece keeps its leading space).
+        """
+        pieces = list(self._pieces(text))
+        ids, spans = [], []
+        start = 0
+        for group in range(0, len(pieces), _BATCH):
+            batch = pieces[group : group + _BATCH]
+            for piece, encoding in zip(batch, self._tokenizer.encode_batch(batch, add_special_tokens=False)):
+                ids.append(np.asarray(encoding.ids, np.int32))
+                spans.append(np.asarray(encoding.offsets, np.int64).reshape(-1, 2) + start)
+                start += len(piece)
+        eos = document and self._config.add_eos
+        if self._config.add_bos:
+            spans.insert(0, np.zeros((1, 2), np.int64))
+        if eos:
+            spans.append(np.full((1, 2), len(text), np.int64))
+        return self._with_specials(ids, eos=eos), np.concatenate(spans)
+
+    @property
+    def chat_template(self) -> str | None:
+        """`chat_template.jinja` beside the tokenizer file, else `tokenizer_config.json`'s "chat_template", else None.
+
+        The config's value may be a string or Hugging Face's list of named templates
+        (`[{"name": "default", "template": ...}, ...]`), of which "default" is used.
+
+        Raises:
+            TokenizerFileError: unreadable template file, a list without "default", or a value of another type.
+        """
+        path = self.file.parent / CHAT_TEMPLATE_FILE
+        if path.is_file():
+            try:
+                return path.read_text("utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerFileError(f"'{path}' cannot be read ({e}); fix or remove it.") from None
+        value = self._settings.get("chat_template")
+        where = self.file.parent / TOKENIZER_CONFIG_FILE
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+            if isinstance(named.get("default"), str):
+                return named["default"]
+            raise TokenizerFileError(
+                f"'{where}': chat_template lists templates {sorted(map(str, named))} but none named \"default\"; "
+                f"pass the template to use as a file (the chat source's template setting)."
+            )
+        raise TokenizerFileError(
+            f"'{where}': chat_template is a {type(value).__name__}, not a template string or a list of named templates; fix it."
+        )
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """`bos_token`/`eos_token` (the tokens `bos_id`/`eos_id` name) and tokenizer_config.json's unk/pad/sep/cls/mask tokens."""
+        out = {}
+        for name, token_id in (("bos_token", self._bos_id), ("eos_token", self._eos_id)):
+            if token_id is not None:
+                out[name] = self._tokenizer.id_to_token(token_id)
+        for name in _TEMPLATE_TOKENS:
+            text = _token_content(self._settings.get(name))
+            if text is not None:
+                out[name] = text
+        return out
+
+    def fingerprint(self) -> dict:
+        """`{"name", "vocab_size", "sha256"}`: sha256 over the tokenizer.json bytes and the id-affecting settings.
+
+        Those settings are `add_bos`, `add_eos`, the BOS id (when `add_bos`), the EOS id
+        (when `add_eos`) and `max_chunk_chars`; never the path, so the same file anywhere
+        gives the same fingerprint.
+        """
+        if self._file_sha256 is None:
+            self._file_sha256 = hashlib.sha256(self.file.read_bytes()).hexdigest()
+        cfg = self._config
+        identity = {
+            "tokenizer.json": self._file_sha256,
+            "add_bos": cfg.add_bos,
+            "add_eos": cfg.add_eos,
+            "bos_id": self._bos_id if cfg.add_bos else None,
+            "eos_id": self._eos_id if cfg.add_eos else None,
+            "max_chunk_chars": cfg.max_chunk_chars,
+        }
+        digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode("utf-8")).hexdigest()
+        return {"name": type(self).__name__, "vocab_size": int(self.vocab_size), "sha256": digest}
 
     def encode_documents(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Each text as one document: int32 ids `[n_i]` per text, with BOS/EOS per `add_bos`/`add_eos`.

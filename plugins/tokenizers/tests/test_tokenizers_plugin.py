@@ -126,28 +126,50 @@ def test_text_sources_tokenize_documents_with_it(tmp_path, tokenizer_file):
     source = exp.config.input.source.instantiate()
     source.use_tokenizer(exp.config.tokenizer.instantiate())
     fast = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file))
-    joined = "\n\n".join(SENTENCES[:3])  # Documents joined by a blank line; the last is held out.
-    assert source.tokens(Split.TRAIN).tolist() == fast.encode(joined, add_special_tokens=False)
-    assert source.tokens(Split.EVAL).tolist() == fast.encode(SENTENCES[3], add_special_tokens=False)
+    documents = [source.to_document(location, raw)["tokens"].tolist() for location, raw in source.raw_documents()]
+    assert documents == [fast.encode(s, add_special_tokens=False) for s in SENTENCES]  # One document per file.
 
 
 def test_axcore_train_tokenizes_its_text_source_with_it(tmp_path, tokenizer_file, monkeypatch, capsys):
-    corpus = tmp_path / "corpus.txt"
+    corpus, held_out = tmp_path / "corpus.txt", tmp_path / "held_out.txt"
     corpus.write_text(TEXT * 4)
+    held_out.write_text(SENTENCES[0])
     monkeypatch.chdir(tmp_path)  # A relative tokenizer path is made absolute against the working directory.
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
     batches = []
-    place = trainer_module.place_batch
-    monkeypatch.setattr(trainer_module, "place_batch", lambda b, s: (batches.append(b), place(b, s))[1])
+
+    class Recording:
+        """The TRAIN pipeline, recording each batch it hands to the trainer."""
+
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            batches.append(next(self._inner))
+            return batches[-1]
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    def recording_pipeline(cfg, split, *args):
+        pipeline = make(cfg, split, *args)
+        return Recording(pipeline) if split == Split.TRAIN else pipeline
+
+    make = trainer_module.input_pipeline
+    monkeypatch.setattr(trainer_module, "input_pipeline", recording_pipeline)
+    source = f"{{type: text_files, paths: [{corpus}, {held_out}], eval_fraction: 0.5}}"  # The second file is held out.
     overrides = [*tiny.TINY, "plugins=[hf_tokenizer]", "tokenizer={type: hf, path: tok, add_bos: true}",
-                 "model.vocab_size=336", f"input.source={{type: text_files, paths: [{corpus}]}}", "input.shuffle=false",
-                 "input.seq_len=16", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.eval_batches=1",
+                 "model.vocab_size=336", f"input.source={source}", "input.shuffle=false", "input.seq_len=16",
+                 "input.packing=concat", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.eval_batches=1",
                  "trainer.sample.num_tokens=4", "trainer.sample.temperature=0", "trainer.metrics_writers=[]",
                  f"trainer.run_dir={tmp_path / 'run'}"]
     assert main(["train", *[a for o in overrides for a in ("--set", o)]]) == 0
     fast = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file))
-    expected = [1, *fast.encode(TEXT * 4, add_special_tokens=False)]  # One document: BOS, then its ids.
+    expected = [1, *fast.encode(TEXT * 4, add_special_tokens=False)]  # One document: BOS, then its ids (concat rows).
     first = batches[0]
     for row in range(4):
         window = expected[row * 16 : row * 16 + 17]
