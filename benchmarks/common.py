@@ -10,7 +10,9 @@ import json
 import os
 import pathlib
 import platform
+import shutil
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -115,3 +117,12 @@ def adamw_like_state(shapes: Mapping[str, tuple[int, ...]], seed: int = 0) -> di
     state = {"params": tree(), "opt_state": {"mu": tree(), "nu": tree()}}
     state["step"] = jax.device_put(np.asarray(1000, np.int32), device)
     return jax.block_until_ready(state)
+
+
+def axcore_command() -> list[str]:
+    """The `axcore` console script of this interpreter's environment (else `python -m axcore.cli`)."""
+    script = pathlib.Path(sys.executable).parent / "axcore"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("axcore")
+    return [found] if found else [sys.executable, "-m", "axcore.cli"]

@@ -61,7 +61,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import summarize, write_result
+from benchmarks.common import axcore_command, summarize, write_result
 
 NAME = "first_step"
 MIB = 1 << 20
@@ -75,13 +75,6 @@ _FIRST_STEP = re.compile(rb"^step 1/\d+ ")
 _COMPILED = re.compile(rb"Compiled the train step in ([0-9.]+) s")
 
 
-def axcore_command() -> list[str]:
-    """The `axcore` console script of this interpreter's environment (else `python -m axcore.cli`)."""
-    script = pathlib.Path(sys.executable).parent / "axcore"
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("axcore")
-    return [found] if found else [sys.executable, "-m", "axcore.cli"]
 
 
 def _document_lengths(rng: np.random.Generator, tokens: int) -> np.ndarray:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import alternate, summarize, timed, write_result
+from benchmarks.common import alternate, axcore_command, summarize, timed, write_result
 
 NAME = "startup"
 COMMANDS = {"help": ["--help"], "plugins": ["plugins"], "config": ["config", "default"]}
@@ -50,13 +49,6 @@ HELP_TARGET_S = 0.3
 DISCOVERY_TARGET_S = 0.050
 
 
-def axcore_command() -> list[str]:
-    """The `axcore` console script of this interpreter's environment (else `python -m axcore.cli`)."""
-    script = pathlib.Path(sys.executable).parent / "axcore"
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("axcore")
-    return [found] if found else [sys.executable, "-m", "axcore.cli"]
 
 
 def make_dummy_plugins(directory: pathlib.Path, count: int) -> list[str]:

@@ -95,27 +95,26 @@ def shard_layout(sharding: jax.sharding.Sharding, global_shape: Sequence[int], d
             f"input.batch_size."
         )
     rows = batch_size // num_shards
-    mine = sorted(rows_of.get(me, {(0, batch_size)}))
-    local = sorted({r for start, stop in mine for r in range(start, stop)})
-    shards = tuple(sorted({r // rows for r in local}))
-    if local != [r for s in shards for r in range(s * rows, (s + 1) * rows)]:
+    local = _merge(sorted(rows_of.get(me, {(0, batch_size)})))  # Disjoint [start, stop) row intervals.
+    if any(start % rows or stop % rows for start, stop in local):
         raise ConfigError(
-            f"Process {me} holds batch rows {_ranges(local)}, which are not whole data shards of {rows} rows "
-            f"({where}); set input.data_shards so that each process's rows are whole shards (e.g. a multiple of "
-            f"the process count)."
+            f"Process {me} holds batch rows {', '.join(f'{a}..{b - 1}' for a, b in local)}, which are not whole data "
+            f"shards of {rows} rows ({where}); set input.data_shards so that each process's rows are whole shards "
+            f"(e.g. a multiple of the process count)."
         )
+    shards = tuple(s for start, stop in local for s in range(start // rows, stop // rows))
     return ShardLayout(num_shards, rows, shards)
 
 
-def _ranges(rows: list[int]) -> str:
-    out, start = [], None
-    for i, r in enumerate(rows):
-        if start is None:
-            start = r
-        if i + 1 == len(rows) or rows[i + 1] != r + 1:
-            out.append(f"{start}..{r}")
-            start = None
-    return ", ".join(out)
+def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted `[start, stop)` intervals merged where they overlap or touch (O(intervals), never O(rows))."""
+    out: list[tuple[int, int]] = []
+    for start, stop in intervals:
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
 
 
 @dataclasses.dataclass

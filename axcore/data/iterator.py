@@ -118,7 +118,7 @@ class EpochOrder(Sequence):
     """Document indices `documents`, epoch after epoch, reshuffled per epoch (module docstring); endless."""
 
     def __init__(self, documents: np.ndarray, seed: int, shuffle: bool):
-        self._documents, self._seed, self._shuffle = np.asarray(documents, np.int64), seed, shuffle
+        self._documents, self._seed, self._shuffle = np.asarray(documents), seed, shuffle  # Any integer dtype.
         self._cached: tuple[int, np.ndarray] = (-1, self._documents)
         self._lock = threading.Lock()
 

@@ -182,7 +182,7 @@ class InputPipeline:
             raise DataError(f"{source.where}: {type(source).__name__} is neither a random-access nor a streamed source.")
         indices = source.split_indices(self.split)
         if train and cfg.shuffle:
-            indices = indices[np.random.default_rng([cfg.seed, 0x5EED]).permutation(len(indices))]
+            np.random.default_rng([cfg.seed, 0x5EED]).shuffle(indices)  # In place: no second array per document.
         mine = indices[shard :: self.num_shards]
         if len(mine) == 0:
             if train:
@@ -191,7 +191,7 @@ class InputPipeline:
                     f"{len(indices)} train documents; lower input.data_shards or add documents."
                 )
             return grain.MapDataset.source([]).to_iter_dataset()
-        order = EpochOrder(mine, cfg.seed, cfg.shuffle) if train else mine.tolist()
+        order = EpochOrder(mine, cfg.seed, cfg.shuffle) if train else _Indices(mine)
         ds = grain.MapDataset.source(order).map(source.document)
         if cfg.worker_processes:
             if not absl_flags.FLAGS.is_parsed():  # Grain's workers read absl flags (defaults unless a program parsed them).
@@ -418,3 +418,16 @@ def stats_from_counts(counts: dict[str, int]) -> dict[str, float]:
     out = {"data/packing_efficiency": counts.get("data/tokens", 0) / slots if slots else 0.0}
     out.update({k: float(v) for k, v in counts.items() if k != "data/slots"})
     return out
+
+
+class _Indices(Sequence):
+    """A 1-D integer array as a sequence of Python ints (no per-element objects kept)."""
+
+    def __init__(self, array: np.ndarray):
+        self._array = array
+
+    def __len__(self) -> int:
+        return len(self._array)
+
+    def __getitem__(self, i: int) -> int:
+        return int(self._array[i])

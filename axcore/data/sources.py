@@ -75,10 +75,22 @@ def is_eval_document(index: int, eval_fraction: float) -> bool:
 
 
 def split_indices(num_documents: int, eval_fraction: float, split: Split) -> np.ndarray:
-    """int64 `[m]`: the indices of `split`'s documents among `num_documents`, ascending."""
-    k = np.arange(num_documents, dtype=np.float64)
-    held_out = np.floor((k + 1) * eval_fraction) > np.floor(k * eval_fraction)
-    return np.flatnonzero(held_out if split is Split.EVAL else ~held_out).astype(np.int64)
+    """`[m]` (int32 below 2**31 documents, else int64): the indices of `split`'s documents, ascending.
+
+    Computed a chunk at a time, so a corpus of many millions of documents costs 4 bytes per
+    document of the split, not several float64 temporaries of the whole range.
+    """
+    dtype = np.int32 if num_documents < 2**31 else np.int64
+    parts = []
+    for start in range(0, num_documents, _SPLIT_CHUNK):
+        k = np.arange(start, min(start + _SPLIT_CHUNK, num_documents), dtype=np.float64)
+        held_out = np.floor((k + 1) * eval_fraction) > np.floor(k * eval_fraction)
+        parts.append((np.flatnonzero(held_out if split is Split.EVAL else ~held_out) + start).astype(dtype))
+    return np.concatenate(parts) if parts else np.zeros((0,), dtype)
+
+
+# Documents per chunk of `split_indices`.
+_SPLIT_CHUNK = 1 << 20
 
 
 class DataSource(Configurable):
@@ -139,7 +151,8 @@ class RandomAccessSource(DataSource):
         raise NotImplementedError(f"{type(self).__name__} must implement document(index).")
 
     def split_indices(self, split: Split) -> np.ndarray:
-        """int64 `[m]`: the documents of `split`, ascending; DataError when there are none."""
+        """`[m]` integer indices (`split_indices`): the documents of `split`, ascending, a new array each call;
+        DataError when there are none."""
         split = as_split(split)
         total = self.num_documents()
         indices = split_indices(total, self._config.eval_fraction, split)

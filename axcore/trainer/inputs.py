@@ -66,10 +66,10 @@ def restore_input_state(pipeline: Any, state: Any, layout: ShardLayout, where: s
             f"The checkpoint {where} cut the batch into {saved} data shards, this run into {layout.num_shards}; "
             f"set input.data_shards={saved} (any process count whose rows are whole shards resumes exactly)."
         )
-    missing = [s for s in layout.shards if str(s) not in state["shards"]]
-    if missing:
-        raise DataError(f"The input state in {where} lacks data shards {missing}; the checkpoint is incomplete.")
-    pipeline.set_state(state)
+    try:
+        pipeline.set_state(state)  # Also refuses a state that lacks one of this process's shards.
+    except DataError as e:
+        raise DataError(f"The input state in {where}: {e}") from None
 
 
 class DataWaitMeter:

@@ -95,6 +95,15 @@ def test_the_held_out_rule_spreads_floor_n_f_documents_and_never_overlaps(fracti
     assert sorted([*split_indices(n, fraction, Split.TRAIN), *held_out]) == list(range(n))
 
 
+def test_the_held_out_rule_across_chunks_in_4_bytes_per_document():
+    n, fraction = (1 << 20) + 37, 0.05  # More than one chunk of the computation.
+    held_out = [k for k in range(n) if int((k + 1) * fraction) > int(k * fraction)]
+    got = split_indices(n, fraction, Split.EVAL)
+    assert got.dtype == np.int32 and got.tolist() == held_out
+    train = split_indices(n, fraction, Split.TRAIN)
+    assert train.dtype == np.int32 and len(train) + len(held_out) == n and not set(held_out) & set(train[-1000:].tolist())
+
+
 # -- Streamed files -----------------------------------------------------------------------
 
 
