@@ -35,7 +35,7 @@ from typing import Any
 # In running order. The last three belong to a sibling effort; a missing module is skipped with a note.
 BENCHMARKS = [
     "step_time", "utilization", "memory", "compile_time", "startup", "checkpoint_io", "checkpoint_blocking",
-    "dispatch_overlap", "recovery_latency", "decode_speed", "first_step",
+    "dispatch_overlap", "recovery_latency", "decode_speed", "first_step", "data_wait",
 ]
 OPTIONAL = {"compile_time", "startup", "checkpoint_io", "recovery_latency"}
 SMOKE_XLA_FLAG = "--xla_backend_optimization_level=0"

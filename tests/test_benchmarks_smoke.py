@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 MACHINE_KEYS = {"cpu_model", "cores", "python", "jax_version", "backend", "device_kind", "device_count"}
 BENCHMARKS = [
     "step_time", "utilization", "memory", "compile_time", "startup", "checkpoint_io", "checkpoint_blocking",
-    "dispatch_overlap", "recovery_latency", "decode_speed",
+    "dispatch_overlap", "recovery_latency", "decode_speed", "first_step", "data_wait",
 ]
 
 pytestmark = pytest.mark.slow
