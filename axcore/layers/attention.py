@@ -31,7 +31,10 @@ A subclass adds a child layer with `self.add_child(name, cfg)` in `__init__`.
 from __future__ import annotations
 
 from typing import Annotated
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +158,12 @@ class MultiheadAttention(BaseLayer):
         """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+        slot = _DECODING.get().get(id(self))
+        if slot is not None:  # Inside `decoding_into(self, ...)`: the KV-cache form of this same call.
+            if kv_mask is not None or segment_ids is not None:
+                raise ValueError(f"{self.path}: KV-cache decoding takes neither kv_mask nor segment_ids.")
+            out, slot.cache = self.extend(x, slot.cache, positions=positions)
+            return out
         q, k, v = self.project_qkv(x)
         q, k = self.normalize_qk(q, k)
         q, k = self.position_embed(q, k, positions)
@@ -326,3 +335,34 @@ class MultiheadAttention(BaseLayer):
                 raise ValueError(f"{self.path}: attention dropout in training needs a prng_key.")
             inputs["dropout_key"] = fold_in_name(self.prng_key, "attention_dropout")
         return self._run_kernel(kernel, "attention", problem, q, k, v, **inputs)
+
+
+
+class CacheSlot:
+    """The KV cache one attention reads and writes while a layer's `forward` runs as decoding."""
+
+    def __init__(self, cache: dict):
+        # `init_cache`'s tree; replaced by the updated cache when the attention runs.
+        self.cache = cache
+
+
+# id(attention) -> its CacheSlot, for the attentions decoding in this context.
+_DECODING: contextvars.ContextVar[dict[int, CacheSlot]] = contextvars.ContextVar("axcore_decoding", default={})
+
+
+@contextlib.contextmanager
+def decoding_into(attention: MultiheadAttention, cache: dict) -> Iterator[CacheSlot]:
+    """While active, `attention`'s forward runs as `attention.extend` against `cache`
+    (the slot's `cache` holds the updated one afterwards).
+
+    This is how a layer decodes through its own named steps: `TransformerLayer.extend` runs
+    the layer's `forward` (so `attention_block` / `ffn_block`, or a subclass's override of
+    them or of `forward`, run in decoding exactly as in training) with its attention
+    redirected to the cache.
+    """
+    slot = CacheSlot(cache)
+    token = _DECODING.set({**_DECODING.get(), id(attention): slot})
+    try:
+        yield slot
+    finally:
+        _DECODING.reset(token)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from axcore.config import REQUIRED, Depth, InstantiableConfig, Probability, Width
 from axcore.errors import ConfigError
-from axcore.layers.attention import MultiheadAttention
+from axcore.layers.attention import MultiheadAttention, decoding_into
 from axcore.layers.base import BaseLayer, checkpoint_policy, with_fields
 from axcore.layers.basic import RMSNorm
 from axcore.layers.feed_forward import FeedForward
@@ -110,10 +110,20 @@ class TransformerLayer(BaseLayer):
         return attention.init_cache(batch, max_len)
 
     def extend(self, x: jax.Array, cache: dict, *, positions: jax.Array) -> tuple[jax.Array, dict]:
-        """`forward` for new tokens against the KV cache: x `[b, t, dim]` -> `(same shape, cache)`."""
-        x = self._constrain(x, RESIDUAL_AXES)
-        h, cache = self.self_attention.extend(self.attention_norm(x), cache, positions=positions)
-        return self._constrain(self.ffn_block(x + h), RESIDUAL_AXES), cache
+        """`forward` for new tokens against the KV cache: x `[b, t, dim]` -> `(same shape, cache)`.
+
+        Runs this layer's own `forward` (its named steps, or a subclass's overrides of
+        them) with the self-attention redirected to the cache (`decoding_into`), so
+        decoding computes what training computes.
+        """
+        with decoding_into(self.self_attention, cache) as slot:
+            y = self.forward(x, positions=positions)
+        if slot.cache is cache:
+            raise TypeError(
+                f"{self.path}: decoding ran {type(self).__name__}.forward but its self_attention was never called, "
+                f"so the KV cache was not written; call self.self_attention in forward or attention_block."
+            )
+        return y, slot.cache
 
 
 class StackedTransformer(BaseLayer):
