@@ -6,7 +6,8 @@
         kernel = MyKernel()
 
 Suites (base test classes, configured by class attributes): AttentionKernelConformance,
-PositionEmbeddingConformance, CheckpointBackendConformance, ConfigTransformConformance.
+PositionEmbeddingConformance, CheckpointBackendConformance, ConfigTransformConformance,
+DecodingConformance.
 Their checks are plain functions too (`check_attention_kernel`, ...). The pytest plugin
 (`axcore.testing.pytest_plugin`, loaded through the `pytest11` entry point) adds the
 fixtures `axcore_plugin_manager`, `axcore_registries`, `axcore_tiny_experiment` and
@@ -25,8 +26,10 @@ _EXPORTS = {
         "AttentionKernelConformance",
         "CheckpointBackendConformance",
         "ConfigTransformConformance",
+        "DecodingConformance",
         "PositionEmbeddingConformance",
     ],
+    "axcore.testing._decoding": ["check_decoding_matches_forward"],
     "axcore.testing._attention": [
         "DEFAULT_CASES",
         "AttentionCase",
@@ -47,5 +50,7 @@ if TYPE_CHECKING:
         AttentionKernelConformance,
         CheckpointBackendConformance,
         ConfigTransformConformance,
+        DecodingConformance,
         PositionEmbeddingConformance,
     )
+    from axcore.testing._decoding import check_decoding_matches_forward

@@ -25,7 +25,7 @@ import pytest
 
 from axcore.experiment import load_experiment
 from axcore.plugins import create_plugin_manager
-from axcore.testing import _attention, _checkpoint, _position, _transform
+from axcore.testing import _attention, _checkpoint, _decoding, _position, _transform
 from axcore.testing._training import TINY_OVERRIDES
 
 
@@ -260,3 +260,32 @@ class ConfigTransformConformance:
     def test_idempotent_or_refuses_a_second_application(self, transformed):
         manager, settings, _, after = transformed
         _transform.check_idempotent_or_refuses(manager, after, settings, manager.registries)
+
+
+class DecodingConformance:
+    """A model (and every layer plugin in it): KV-cache decoding gives the full forward's logits.
+
+    Set `plugins` / `objects` (and `overrides`, e.g. `model.decoder.layer.type=my_block`);
+    the suite builds `experiment` shrunk by TINY_OVERRIDES in float32 and decodes a
+    prompt then one token at a time, unrolled and scanned (`scan` experiment) stacks both.
+    """
+
+    # Plugins (names, or keys of `objects`) to enable.
+    plugins: ClassVar[Sequence[str]] = ()
+    objects: ClassVar[Mapping[str, Any]] = {}
+    # Overrides after TINY_OVERRIDES (e.g. the layer type a plugin registers).
+    overrides: ClassVar[Sequence[str]] = ()
+    # Experiments to check (built-in names or files); "scan" is the scanned stack.
+    experiments: ClassVar[Sequence[str]] = ("default", "scan")
+
+    @pytest.mark.parametrize("index", [0, 1])
+    def test_decoding_matches_the_full_forward(self, index):
+        if index >= len(self.experiments):
+            pytest.skip("no such experiment configured")
+        listed = "plugins=[" + ", ".join(self.plugins) + "]"
+        overrides = [*TINY_OVERRIDES, listed, "model.compute_dtype=float32", *self.overrides]
+        exp = load_experiment(self.experiments[index], overrides, objects=dict(self.objects))
+        model = exp.config.model.instantiate(name="model", registries=exp.registries)
+        params = model.initialize(jax.random.key(1))
+        vocab = int(exp.config.model.vocab_size)
+        _decoding.check_decoding_matches_forward(model, params, vocab=vocab)
