@@ -87,6 +87,8 @@ DEFAULT_CASES: tuple[AttentionCase, ...] = (
     AttentionCase("f32-causal-gqa", num_heads=4, num_kv_heads=2, causal=True),
     AttentionCase("f32-causal-sliding-padding-cross", q_len=6, kv_len=8, causal=True, sliding_window=3, kv_padding=2),
     AttentionCase("bf16-causal-gqa", num_heads=4, num_kv_heads=1, causal=True, dtype="bfloat16"),
+    # Past the common tile sizes (64, 128) and a multiple of none: a tiled kernel's block edges and padding.
+    AttentionCase("f32-causal-long-padding", q_len=200, kv_len=200, num_heads=2, num_kv_heads=1, causal=True, kv_padding=37),
 )
 
 

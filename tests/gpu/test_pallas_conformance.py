@@ -12,4 +12,7 @@ class TestPallasAttentionInterpret(AttentionKernelConformance):
     cases = (
         AttentionCase("f32-causal-gqa-sliding-padding", num_heads=4, num_kv_heads=2, causal=True, sliding_window=3,
                       kv_padding=2),
+        # Past the 64-row default blocks and a multiple of none: block edges, internal padding, skipped blocks.
+        AttentionCase("f32-causal-long-padding", q_len=200, kv_len=200, num_heads=2, num_kv_heads=1, causal=True,
+                      kv_padding=37),
     )

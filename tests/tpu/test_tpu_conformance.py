@@ -13,10 +13,17 @@ CASE = dict(batch=2, q_len=128, kv_len=128, num_heads=2, num_kv_heads=1, head_di
 
 class TestSplashAttentionInterpret(AttentionKernelConformance):
     kernel = SplashAttention(interpret=True)
-    cases = (AttentionCase("f32-causal-gqa-sliding-padding", sliding_window=40, **CASE),)
+    cases = (
+        AttentionCase("f32-causal-gqa-sliding-padding", sliding_window=40, **CASE),
+        # Two 128-lane blocks: the block edge inside the window and the causal diagonal.
+        AttentionCase("f32-causal-two-blocks", **{**CASE, "q_len": 256, "kv_len": 256, "kv_padding": 37}, sliding_window=150),
+    )
 
 
 class TestPallasTpuAttentionInterpret(AttentionKernelConformance):
     kernel = PallasTpuAttention(interpret=True)
     # No sliding window: it declines one (the suite checks the decline has a reason).
-    cases = (AttentionCase("f32-causal-gqa-padding", **CASE),)
+    cases = (
+        AttentionCase("f32-causal-gqa-padding", **CASE),
+        AttentionCase("f32-causal-two-blocks", **{**CASE, "q_len": 256, "kv_len": 256, "kv_padding": 37}),
+    )
