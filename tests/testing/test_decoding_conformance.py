@@ -59,6 +59,26 @@ class TestParallelBlockPlugin(DecodingConformance):
     )
 
 
+def test_the_parallel_block_really_computes_another_function():
+    """So its decoding test above checks a forward that differs from the built-in sequential block's."""
+    import jax
+    import numpy as np
+
+    from axcore.experiment import load_experiment
+    from axcore.module import functional
+    from axcore.testing import TINY_OVERRIDES
+
+    base = [*TINY_OVERRIDES, "model.compute_dtype=float32"]
+    parallel = load_experiment(None, [*base, "plugins=[parallel]", *TestParallelBlockPlugin.overrides],
+                               objects={"parallel": ParallelPlugin()})
+    sequential = load_experiment(None, [*base, "plugins=[]"])
+    models = [e.config.model.instantiate(name="model", registries=e.registries) for e in (parallel, sequential)]
+    params = models[0].initialize(jax.random.key(1))  # The same children, so the same parameter tree.
+    ids = jax.random.randint(jax.random.key(2), (2, 8), 0, 256)
+    a, b = (functional(m, params, (ids,), None, False, method="logits")[0] for m in models)
+    assert not np.allclose(a, b, atol=1e-3)
+
+
 def test_the_suite_fails_a_layer_whose_decoding_skips_a_step(pytester):
     pytester.makepyfile(
         """
