@@ -40,7 +40,6 @@ from typing import Any
 
 import jax
 
-from axcore.data.schema import BATCH_SCHEMA
 from axcore.errors import AxcoreError
 from axcore.experiment import Experiment
 
@@ -155,15 +154,13 @@ class CompiledStep:
 
 
 def compile_step(experiment: Experiment) -> CompiledStep:
-    """Lowers and compiles the experiment's train step on abstract inputs (no allocation)."""
-    from axcore.trainer.trainer import Trainer  # Deferred: heavy imports.
+    """Lowers and compiles the experiment's train step (`axcore.trainer.step.TrainStep`) on abstract inputs
+    (no allocation)."""
+    from axcore.trainer.step import TrainStep  # Deferred: heavy imports.
 
-    trainer = Trainer(experiment)
-    cfg = experiment.config
-    state = trainer.abstract_state()
-    batch = BATCH_SCHEMA.shapes(cfg.input.batch_size, cfg.input.seq_len, trainer.batch_sharding)
+    train_step = TrainStep(experiment)
     t0 = time.perf_counter()
-    lowered = trainer.compiled_train_step().lower(state, batch)
+    lowered = train_step.compiled_train_step().lower(train_step.abstract_state(), train_step.abstract_batch())
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
@@ -183,8 +180,8 @@ def compile_step(experiment: Experiment) -> CompiledStep:
         while_loops=len(_WHILE.findall(compiled.as_text() or "")),
         lower_seconds=t1 - t0,
         compile_seconds=t2 - t1,
-        devices=trainer.mesh.devices.size,
-        mesh=dict(zip(trainer.mesh.axis_names, trainer.mesh.devices.shape)),
+        devices=train_step.mesh.devices.size,
+        mesh=dict(zip(train_step.mesh.axis_names, train_step.mesh.devices.shape)),
     )
 
 

@@ -5,8 +5,8 @@
 
 The model is loaded with `axcore.run_loading` (its run's experiment, the step's
 parameters on the experiment's mesh), and the evaluation is the trainer's own
-(`Trainer.evaluate`, `axcore.trainer.evaluate`): each batch goes through the Trainer's
-jitted eval step, the weighted cross-entropy and the weights are summed on the device
+(`TrainStep.evaluate`, `axcore.trainer.evaluate`): each batch goes through the train
+step object's jitted eval step (`TrainStep.compiled_eval_step`), the weighted cross-entropy and the weights are summed on the device
 and fetched once, and the loss is their ratio (nats per weighted target token).
 
 Data: by default the experiment's own input pipeline, its eval split (`--split
@@ -47,7 +47,7 @@ from axcore.data import PAD_LABEL, DataError, Split, TextFiles, TextFormat, Toke
 from axcore.data.schema import BATCH_SCHEMA
 from axcore.distributed import is_primary
 from axcore.errors import AxcoreError
-from axcore.run_loading import LoadedModel, load_model_and_trainer
+from axcore.run_loading import LoadedModel, load_model_and_step
 from axcore.trainer.inputs import input_pipeline
 
 # `--split` names -> the source's split ("validation" is the eval split).
@@ -204,22 +204,23 @@ def evaluate_run(
     if not data and SPLITS[split] is Split.TRAIN and max_batches is None:
         raise EvalError("--split train reads the endless training stream; pass --max-batches N (its first N batches).")
     sizes = [f"input.batch_size={batch_size}"] * (batch_size is not None) + [f"input.seq_len={seq_len}"] * (seq_len is not None)
-    loaded, trainer = load_model_and_trainer(path, step=step, overrides=[*overrides, *sizes], report=report, objects=objects)
+    loaded, train_step = load_model_and_step(path, step=step, overrides=[*overrides, *sizes], report=report,
+                                             objects=objects)
     config = loaded.experiment.config
     batch_size, seq_len = config.input.batch_size, config.input.seq_len
     vocab = getattr(config.model, "vocab_size", None)
     if data:
-        streams = _data_streams(loaded, trainer.tokenizer, data)
-        layout = trainer.shard_layout
+        streams = _data_streams(loaded, train_step.tokenizer, data)
+        layout = train_step.shard_layout
         rows = np.concatenate([np.arange(s * layout.rows_per_shard, (s + 1) * layout.rows_per_shard)
                                for s in layout.shards])
         pipeline = _FileBatches(streams, seq_len, batch_size, vocab if isinstance(vocab, int) else None, rows)
         described = "; ".join(what for what, _ in streams)
     else:
         vocab = vocab if isinstance(vocab, int) else None
-        pipeline = input_pipeline(config.input, SPLITS[split], trainer.tokenizer, vocab, trainer.shard_layout)
+        pipeline = input_pipeline(config.input, SPLITS[split], train_step.tokenizer, vocab, train_step.shard_layout)
         described = f"the {split} split of the run's input pipeline"
-    totals = trainer.evaluate(loaded.params, max_batches or 0, loader=trainer.eval_loader(pipeline))
+    totals = train_step.evaluate(loaded.params, train_step.loader(pipeline), max_batches or 0)
     if totals.tokens <= 0:
         raise EvalError("No target token was evaluated; check the data and --max-batches.")
     tokens = int(round(totals.tokens))

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from axcore.generation import Generator, Sampling
-    from axcore.run_loading import load_model_and_trainer
+    from axcore.run_loading import load_model_and_step
 
     prompts = _prompts(args)
     if args.max_new_tokens < 1:
@@ -68,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
         raise GenerateError(f"Bad sampling setting: {e}") from None
-    loaded, trainer = load_model_and_trainer(args.run, step=args.step, overrides=args.overrides, objects=args.objects)
-    tokenizer = trainer.tokenizer
+    loaded, step = load_model_and_step(args.run, step=args.step, overrides=args.overrides, objects=args.objects)
+    tokenizer = step.tokenizer
     vocab = loaded.experiment.config.model.vocab_size
     bad = [t for t in args.stop_token if not 0 <= t < vocab]
     if bad:
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             f"embedding's max_len); shorten the prompt or generate fewer tokens."
         )
     started = time.perf_counter()
-    with trainer._op_environment():
+    with step.op_environment():
         outputs = generator(loaded.params, encoded, jax.random.key(args.seed))
     elapsed = time.perf_counter() - started
     for prompt, tokens in zip(prompts, outputs):

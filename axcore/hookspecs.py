@@ -66,6 +66,7 @@ from axcore.registry import (
     module_class_validator,
     registers,
 )
+from axcore.trainer.objectives import Objective
 from axcore.trainer.optimizers import Optimizer
 from axcore.trainer.schedules import Schedule
 
@@ -78,7 +79,7 @@ __all__ = ["PLUGIN_API_VERSION", "PROJECT_NAME", "hookimpl", "hookspec"]
 
 # Version of the plugin API these specs define (see "Evolution policy" above); a plugin
 # requires one with `AXCORE_PLUGIN_API = ">=1.0"`.
-PLUGIN_API_VERSION = "1.1"
+PLUGIN_API_VERSION = "1.2"
 
 KERNELS = Family("kernels", "kernel", registry_class=KernelRegistry)
 
@@ -188,7 +189,7 @@ def axcore_register_ops(register: RegisterNamed) -> None:
     Returns nothing. Called like the other registration hooks, and every plugin's
     ops are registered before any kernel is checked: a kernel registered for an op
     that no plugin declares is an error naming the plugin, and so is a layer
-    calling an unknown op. The built-in ops are `dot` and `attention`.
+    calling an unknown op. The built-in ops are `dot`, `attention` and `rms_norm`.
     """
 
 
@@ -312,6 +313,22 @@ def axcore_register_schedules(register: RegisterComponent) -> None:
     Returns nothing. Called like the other registration hooks (same order, same
     duplicate-name rule, one config namespace). The built-ins are constant, cosine,
     linear_decay and wsd (warmup-stable-decay).
+    """
+
+
+@registers(Family("objectives", "objective", module_class_validator(Objective), config_names=True))
+@hookspec
+def axcore_register_objectives(register: RegisterComponent) -> None:
+    """Register training objectives that `trainer.objective` can name with `type: <name>`.
+
+    Args:
+        register: `register(name, objective_class, *, override=False)`; the class must
+            subclass `axcore.trainer.Objective`, whose `loss(model, params, batch, ...)`
+            runs the model (as often as it needs) and returns loss, metrics and output
+            collection; contract in `axcore.trainer.objectives`.
+
+    Returns nothing. Called like the other registration hooks (same order, same
+    duplicate-name rule, one config namespace). The built-in is `next_token`.
     """
 
 

@@ -12,9 +12,9 @@ the run's configured backend, `trainer.checkpoint.backend`). `path` may name the
 directory, its `checkpoints/` directory, or one step's directory inside it (`200/`
 for orbax, `step_00000200/` for tensorstore), which also picks the step.
 
-Restoring goes through the Trainer's own pieces, not a copy of them: the abstract
-parameters and their shardings (`Trainer.abstract_state()["params"]`, on the
-experiment's mesh), the configured backend (`make_checkpoint_backend`) and
+Restoring goes through the training code's own pieces, not a copy of them: the abstract
+parameters and their shardings (`TrainStep.abstract_state()["params"]`, on the
+experiment's mesh; `axcore.trainer.step`, which creates no run directory), the configured backend (`make_checkpoint_backend`) and
 `restore_verified` (checksums checked; with no step given, a step that fails
 verification falls back to the newest one that verifies, reported through `report`).
 Only the parameters are read, as a partial restore of `{"params": ...}`: from a train
@@ -47,9 +47,9 @@ from axcore.errors import AxcoreError
 from axcore.experiment import Experiment, load_experiment
 from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.resume import params_only_metadata
-from axcore.trainer.trainer import Trainer
+from axcore.trainer.step import TrainStep
 
-# Names of a run directory's parts (what the Trainer writes).
+# Names of a run directory's parts (what the training loop writes).
 CONFIG_FILE = "config.yaml"
 CHECKPOINTS_DIR = "checkpoints"
 # A step's directory name: `200` (orbax) or `step_00000200` (tensorstore).
@@ -150,18 +150,19 @@ def load_model(
         CheckpointError: a step fails verification (checksums, unreadable files).
         AxcoreError subclasses: the saved config does not load (e.g. a plugin is missing).
     """
-    return load_model_and_trainer(path, step=step, overrides=overrides, report=report, objects=objects)[0]
+    return load_model_and_step(path, step=step, overrides=overrides, report=report, objects=objects)[0]
 
 
-def load_model_and_trainer(
+def load_model_and_step(
     path: str | os.PathLike,
     *,
     step: int | None = None,
     overrides: Sequence[str] = (),
     report: Callable[[str], None] | None = None,
     objects: dict[str, Any] | None = None,
-) -> tuple[LoadedModel, Trainer]:
-    """`load_model`, plus the `Trainer` whose mesh, shardings and steps restored it (for evaluation)."""
+) -> tuple[LoadedModel, TrainStep]:
+    """`load_model`, plus the `TrainStep` whose mesh, shardings and steps restored it (for evaluation and
+    generation: its `tokenizer`, `op_environment()`, `compiled_eval_step()`, `loader()`, `evaluate()`)."""
     experiment, location = load_run_experiment(path, overrides, objects=objects)
     if step is not None and location.step is not None and step != location.step:
         raise RunLoadError(f"'{path}' is the directory of step {location.step} but step {step} was asked for; "
@@ -171,7 +172,7 @@ def load_model_and_trainer(
     if not checkpoints.is_dir():  # Checked first: a backend would create the directory.
         raise RunLoadError(f"Run {location.run_dir} has no {CHECKPOINTS_DIR}/ directory, so no trained "
                            f"parameters; train it (axcore train {location.run_dir / CONFIG_FILE}) or pass another run.")
-    trainer = Trainer(experiment, stream=sys.stderr)
+    train_step = TrainStep(experiment)
     report = report or (lambda line: print(line, file=sys.stderr))
     backend = make_checkpoint_backend(experiment.config.trainer.checkpoint, experiment.registries, checkpoints)
     where = f"run {location.run_dir} ({experiment.config.trainer.checkpoint.backend} checkpoints)"
@@ -179,7 +180,7 @@ def load_model_and_trainer(
         if not backend.all_steps():
             raise RunLoadError(f"No committed checkpoint in {checkpoints} ({where}); wait for or rerun the training "
                                f"(a step without its commit marker is an interrupted save).")
-        target = {"params": trainer.abstract_state()["params"]}  # ShapeDtypeStructs: nothing allocated.
+        target = {"params": train_step.abstract_state()["params"]}  # ShapeDtypeStructs: nothing allocated.
         try:
             state, _, restored = restore_verified(backend, target, step, report=report, partial=True)
         except CheckpointNotFoundError as e:
@@ -190,7 +191,8 @@ def load_model_and_trainer(
             raise
     finally:
         backend.close()
-    return LoadedModel(experiment, trainer.model, state["params"], int(restored), location.run_dir), trainer
+    return LoadedModel(experiment, train_step.model, state["params"], int(restored), location.run_dir), train_step
+
 
 
 def _mismatch(error: CheckpointError, run_dir: pathlib.Path) -> RunLoadError:
@@ -221,8 +223,7 @@ def save_model(
     checkpoints = run_dir / CHECKPOINTS_DIR
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise RunLoadError(f"'{checkpoints}' already holds checkpoints; save into a new run directory.")
-    trainer = Trainer(experiment, stream=sys.stderr)
-    abstract = trainer.abstract_state()
+    abstract = TrainStep(experiment).abstract_state()
     _check_params(params, abstract["params"], run_dir)
     params = jax.tree.map(lambda x, a: jax.device_put(jnp.asarray(x, a.dtype), a.sharding), params, abstract["params"])
     metadata = params_only_metadata(step, experiment.config.trainer.seed if seed is None else seed)

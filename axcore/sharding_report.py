@@ -5,7 +5,7 @@ experiment's `mesh.mesh_shape` (a -1 is resolved with the device count of
 `mesh.instance_type`, e.g. 8 for `cpu-8` or `gpu-h100-8`, else of this machine), the
 parameters and optimizer state are abstract (`ParameterSpec`s and `jax.eval_shape` of
 the optimizer's init), and their shardings are the ones the Trainer uses
-(`axcore.sharding`, `axcore.trainer.trainer.opt_state_shardings`). So a layout for a
+(`axcore.sharding`, `axcore.trainer.step.opt_state_shardings`). So a layout for a
 selector bigger than this machine can be checked here.
 
 Output (`format_sharding_report`): a header with the mesh and the axis rules, one line
@@ -103,7 +103,7 @@ def sharding_report(experiment: Any) -> ShardingReport:
         ConfigError: a parameter or the batch does not divide its mesh axes (as the Trainer would).
     """
     from axcore.trainer.learner import build_optimizer, trainable_mask  # Deferred: heavy imports.
-    from axcore.trainer.trainer import opt_state_shardings
+    from axcore.trainer.step import opt_state_shardings
 
     cfg = experiment.config
     mesh = report_mesh(experiment)

@@ -96,7 +96,7 @@ def measure(model_name: str, batch: int, args: argparse.Namespace) -> dict[str, 
     window = experiment.config.input.seq_len
     if args.prompt_len + args.new_tokens > window:
         raise SystemExit(f"--prompt-len + --new-tokens must fit the window {window}.")
-    with trainer._op_environment():
+    with trainer.op_environment():
         params = jax.jit(model.initialize)(jax.random.key(0))
         prompts = np.random.default_rng(0).integers(0, experiment.config.model.vocab_size, (batch, args.prompt_len))
         prompts = prompts.astype(np.int32)

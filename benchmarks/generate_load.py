@@ -18,7 +18,7 @@ under ROOT) under `/usr/bin/time -v`. Measured per contender:
 - `import_s`: wall seconds of the convert command;
 - `generate_s`: wall seconds of the whole `axcore generate` command (interpreter start
   to exit; greedy, 24 new tokens after an 8-token prompt);
-- `load_s`: seconds inside `run_loading.load_model_and_trainer` (experiment, Trainer,
+- `load_s`: seconds inside `run_loading.load_model_and_step` (experiment, TrainStep,
   restore); `restore_s`: seconds inside `restore_verified` (all attempts);
 - `max_rss_bytes`: the command's peak resident memory (`Maximum resident set size`).
 
@@ -55,7 +55,7 @@ SMOKE_SHAPE = dict(SMOLLM_135M, vocab_size=512, hidden_size=64, num_hidden_layer
                    num_key_value_heads=2, intermediate_size=96)
 PROMPT, NEW_TOKENS = "w1 w2 w3 w4 w5 w6 w7 w8", 24
 
-# Runs one axcore command, timing load_model_and_trainer and restore_verified inside it; the last stderr line
+# Runs one axcore command, timing load_model_and_step and restore_verified inside it; the last stderr line
 # is JSON. Patched on the module, so generate_command's `from axcore.run_loading import ...` (at call time) sees it.
 _WRAPPER = r"""
 import json, sys, time
@@ -70,7 +70,7 @@ def timing(name, fn):
             spent[name] += time.perf_counter() - start
     return timed
 rl.restore_verified = timing("restore_s", rl.restore_verified)
-rl.load_model_and_trainer = timing("load_s", rl.load_model_and_trainer)
+rl.load_model_and_step = timing("load_s", rl.load_model_and_step)
 from axcore.cli import main
 code = main(sys.argv[1:])
 import axcore_hf

@@ -1,132 +1,150 @@
-"""`benchmarks.gpu_profile`: its protobuf wire decoder against hand-encoded bytes and JAX's own reader, and `--smoke`.
+"""`benchmarks.gpu_profile` and `benchmarks.profile_summary`: summaries of profiler traces read through ProfileData.
 
-The encoder below is written from the protobuf encoding spec (key = field << 3 | wire
-type; varints little-endian base 128; negative int64 as 10-byte two's complement),
-independently of the decoder, so a wrong field number or wire type in either fails.
+Two traces, each checked against numbers computed independently of the summary code:
+(a) a GPU-like XSpace written by hand as a text proto (kernel times, stats by value and by
+reference, a derived line that must not count, the session's start time), whose expected
+busy time, gaps, categories and lead/tail are worked out by hand below; (b) a real CPU
+trace from `jax.profiler.trace`, whose summaries are checked against sums over the trace's
+events made here with plain loops and NumPy. And `--smoke` end to end.
 """
 
+import collections
 import glob
 import json
 import pathlib
-import struct
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from benchmarks import gpu_profile, xplane
+from benchmarks import profile_summary
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-
-def varint(n: int) -> bytes:
-    n &= (1 << 64) - 1  # int64 fields: two's complement.
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
-def int_field(number: int, value: int) -> bytes:
-    return varint(number << 3) + varint(value)
-
-
-def len_field(number: int, payload: bytes | str) -> bytes:
-    payload = payload.encode() if isinstance(payload, str) else payload
-    return varint(number << 3 | 2) + varint(len(payload)) + payload
-
-
-def double_field(number: int, value: float) -> bytes:
-    return varint(number << 3 | 1) + struct.pack("<d", value)
-
-
-def fixed32_field(number: int, value: int) -> bytes:
-    return varint(number << 3 | 5) + struct.pack("<I", value)
-
-
-def test_wire_fields_decode_every_wire_type():
-    data = int_field(1, 150) + int_field(2, -5) + double_field(3, 2.5) + fixed32_field(4, 7) + len_field(5, "hé")
-    decoded = xplane.fields(data)
-    assert [(n, w) for n, w, _ in decoded] == [(1, 0), (2, 0), (3, 1), (4, 5), (5, 2)]
-    assert decoded[0][2] == 150 and varint(150) == b"\x96\x01"  # The spec's own example.
-    assert xplane.signed(decoded[1][2]) == -5
-    assert struct.unpack("<d", struct.pack("<Q", decoded[2][2]))[0] == 2.5
-    assert decoded[3][2] == 7 and bytes(decoded[4][2]).decode() == "hé"
-    with pytest.raises((ValueError, IndexError)):
-        xplane.fields(len_field(1, "abc")[:-1])  # Truncated.
+# Two kernels on a stream line that starts 100 ns into the session: loop_add_fusion_3 at
+# 1100 ns for 3000 ns (hlo_op "fusion.3" by value, hlo_module by reference to stat metadata 3,
+# an int64 stat), nvjet_hsh_gemm at 10100 ns for 2000 ns; on a second stream cudnn_fmha at
+# 3100 ns for 2000 ns (overlapping the first kernel's end); a derived "XLA Ops" line repeating
+# the first (must not count); a host plane; the session start (ns since the epoch).
+GPU_SPACE = """
+planes {
+  id: 2 name: "/device:GPU:0"
+  lines { id: 7 name: "Stream #7(Compute)" timestamp_ns: 100
+    events { metadata_id: 10 offset_ps: 1000000 duration_ps: 3000000
+             stats { metadata_id: 1 str_value: "fusion.3" } stats { metadata_id: 2 ref_value: 3 }
+             stats { metadata_id: 4 int64_value: -9 } }
+    events { metadata_id: 11 offset_ps: 10000000 duration_ps: 2000000 } }
+  lines { id: 9 name: "Stream #9(Compute)" timestamp_ns: 100
+    events { metadata_id: 12 offset_ps: 3000000 duration_ps: 2000000 } }
+  lines { id: 8 name: "XLA Ops" timestamp_ns: 101 events { metadata_id: 10 duration_ps: 5000 } }
+  event_metadata { key: 10 value { id: 10 name: "loop_add_fusion_3" } }
+  event_metadata { key: 11 value { id: 11 name: "nvjet_hsh_gemm" } }
+  event_metadata { key: 12 value { id: 12 name: "cudnn_fmha" } }
+  stat_metadata { key: 1 value { id: 1 name: "hlo_op" } }
+  stat_metadata { key: 2 value { id: 2 name: "hlo_module" } }
+  stat_metadata { key: 3 value { id: 3 name: "jit_step" } }
+  stat_metadata { key: 4 value { id: 4 name: "n" } }
+}
+planes { id: 1 name: "/host:CPU" lines { id: 1 name: "python" events { metadata_id: 1 duration_ps: 5000 } }
+         event_metadata { key: 1 value { id: 1 name: "f" } } }
+planes { id: 3 name: "Task Environment" stats { metadata_id: 1 uint64_value: 1000000000000 }
+         stat_metadata { key: 1 value { id: 1 name: "profile_start_time" } } }
+"""
 
 
-def _space() -> bytes:
-    """An XSpace: a GPU plane with two kernels on a stream line, a derived line, stats by value and by ref."""
-    stat_meta = lambda i, name: len_field(5, int_field(1, i) + len_field(2, int_field(1, i) + len_field(2, name)))  # noqa: E731
-    event_meta = lambda i, name: len_field(4, int_field(1, i) + len_field(2, int_field(1, i) + len_field(2, name)))  # noqa: E731
-    stat_str = len_field(4, int_field(1, 1) + len_field(5, "fusion.3"))  # XEvent.stats: hlo_op = "fusion.3"
-    stat_ref = len_field(4, int_field(1, 2) + int_field(7, 3))  # hlo_module -> stat metadata 3's name
-    stat_int = len_field(4, int_field(1, 4) + int_field(4, -9))
-    kernel_a = int_field(1, 10) + int_field(2, 1_000_000) + int_field(3, 3_000_000) + stat_str + stat_ref + stat_int
-    kernel_b = int_field(1, 11) + int_field(2, 9_000_000) + int_field(3, 2_000_000) + int_field(99, 1)  # unknown field
-    stream = int_field(1, 7) + len_field(2, "Stream #7(Compute)") + int_field(3, 100) + len_field(4, kernel_a) + len_field(
-        4, kernel_b) + int_field(9, 123)
-    derived = int_field(1, 8) + len_field(2, "XLA Ops") + int_field(3, 101) + len_field(4, int_field(1, 10) + int_field(3, 5))
-    plane = (int_field(1, 2) + len_field(2, "/device:GPU:0") + len_field(3, stream) + len_field(3, derived)
-             + event_meta(10, "loop_add_fusion_3") + event_meta(11, "nvjet_hsh_gemm")
-             + stat_meta(1, "hlo_op") + stat_meta(2, "hlo_module") + stat_meta(3, "jit_step") + stat_meta(4, "n"))
-    host = len_field(2, "/host:CPU") + len_field(3, len_field(2, "python") + len_field(4, int_field(1, 1) + int_field(3, 5)))
-    return len_field(1, host) + len_field(1, plane) + len_field(2, "an error string")
-
-
-def test_xspace_decoder_on_hand_encoded_planes():
-    planes = xplane.parse_xspace(_space())
-    assert [p["name"] for p in planes] == ["/host:CPU", "/device:GPU:0"]
-    gpu = planes[1]
-    stream, derived = gpu["lines"]
-    assert (stream["name"], stream["timestamp_ns"], derived["name"]) == ("Stream #7(Compute)", 100, "XLA Ops")
-    a, b = stream["events"]
-    assert (a["name"], a["start_ps"], a["duration_ps"]) == ("loop_add_fusion_3", 1_000_000, 3_000_000)
+def test_gpu_trace_events_and_summary_by_hand(tmp_path):
+    profile = jax.profiler.ProfileData.from_text_proto(GPU_SPACE)
+    name, events, counts = profile_summary.device_events(profile)
+    assert name == "/device:GPU:0" and counts == {"Stream #7(Compute)": 2, "XLA Ops": 1, "Stream #9(Compute)": 1}
+    a, b, c = events  # The stream lines only: the derived line would double count.
+    assert (a["name"], a["start_ns"], a["duration_ns"]) == ("loop_add_fusion_3", 1100, 3000)
     assert a["stats"] == {"hlo_op": "fusion.3", "hlo_module": "jit_step", "n": -9}
-    assert (b["name"], b["start_ps"], b["duration_ps"]) == ("nvjet_hsh_gemm", 9_000_000, 2_000_000)
-    assert derived["events"][0]["start_ps"] == 1000  # Its line starts 1 ns later on the plane's one clock.
-    only_gpu = xplane.parse_xspace(_space(), keep=lambda name: name.startswith("/device:GPU"))
-    assert [p["name"] for p in only_gpu] == ["/device:GPU:0"]
+    assert (b["name"], b["start_ns"], b["duration_ns"], b["stats"]) == ("nvjet_hsh_gemm", 10100, 2000, {})
+    assert (c["name"], c["start_ns"], c["duration_ns"], c["line"]) == ("cudnn_fmha", 3100, 2000, "Stream #9(Compute)")
 
-    # The device timeline takes the stream line only (the derived line would double count).
-    name, events, _ = gpu_profile.device_events(planes)
-    assert name == "/device:GPU:0" and len(events) == 2
-    summary = gpu_profile.summarize_profile(events, 1, {"fusion.3": {"opcode": "fusion", "target": "kLoop"}}, 5)
+    summary = profile_summary.summarize_profile(events, 1, {"fusion.3": {"opcode": "fusion", "target": "kLoop"}}, 5)
     t = summary["timeline"]
-    assert t["busy_ms_per_step"] == pytest.approx(0.005) and t["idle_ms_per_step"] == pytest.approx(0.005)
+    # Busy: 1100..5100 (two kernels overlapping) and 10100..12100 = 6000 ns of an 11000 ns span; one 5 us gap.
+    assert t["busy_ms_per_step"] == pytest.approx(0.006) and t["span_ms_per_step"] == pytest.approx(0.011)
+    assert t["idle_ms_per_step"] == pytest.approx(0.005) and t["kernel_sum_ms_per_step"] == pytest.approx(0.007)
+    assert t["busy_segments_per_step"] == 2
+    assert [g["count_per_step"] for g in t["gaps"]] == [0, 1, 0, 0, 0]  # 5 us falls in "5-20 us".
+    assert t["largest_gaps"] == [{"us": 5.0, "after": "cudnn_fmha", "before": "nvjet_hsh_gemm"}]
     assert summary["categories"]["gemm"]["ms_per_step"] == pytest.approx(0.002)
     assert summary["categories"]["fusion"]["ms_per_step"] == pytest.approx(0.003)
-    assert summary["mapped_by"] == {"hlo_op": 1, "none": 1}
+    assert summary["categories"]["attention"]["ms_per_step"] == pytest.approx(0.002)
+    assert summary["categories"]["fusion"]["share"] == pytest.approx(3 / 7)
+    assert summary["mapped_by"] == {"hlo_op": 1, "none": 2}
     # An hlo_op naming no instruction (a CUDA graph's command buffer): XLA's kernel name gives the instruction.
-    by_name = gpu_profile.summarize_profile(events, 1, {"loop_add_fusion.3": {"opcode": "fusion", "target": "kLoop"}}, 5)
-    assert by_name["mapped_by"] == {"kernel_name": 1, "none": 1}
+    by_name = profile_summary.summarize_profile(events, 1, {"loop_add_fusion.3": {"opcode": "fusion", "target": "kLoop"}}, 5)
+    assert by_name["mapped_by"] == {"kernel_name": 1, "none": 2}
     assert by_name["top_op_groups"][0]["example"] == "loop_add_fusion.3"
 
+    # The file path: lead and tail against a host window on the epoch clock (session start 1e12 ns).
+    path = tmp_path / "t.xplane.pb"
+    path.write_bytes(jax.profiler.ProfileData.text_proto_to_serialized_xspace(GPU_SPACE))
+    p = profile_summary.profile_file(str(path), 1, {}, 5, window_ns=(10**12 + 100, 10**12 + 13_100))
+    assert p["timeline"]["lead_ms"] == pytest.approx((1100 - 100) / 1e6)  # Window start to the first kernel.
+    assert p["timeline"]["tail_ms"] == pytest.approx((13_100 - 12_100) / 1e6)  # The last kernel's end to window end.
+    assert p["timeline"]["window_ms"] == pytest.approx(0.013)
+    assert p["event_stat_keys"] == {"hlo_op": 1, "hlo_module": 1, "n": 1}
+    assert p["file_bytes"] == path.stat().st_size and p["plane"] == "/device:GPU:0"
 
-def test_decoder_agrees_with_jax_profile_data(tmp_path):
-    """Every event of a real CPU trace: the same names and durations as jax.profiler.ProfileData reads."""
-    f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
-    x = jnp.ones((64, 64))
-    f(x).block_until_ready()
-    with jax.profiler.trace(str(tmp_path)):
-        f(x).block_until_ready()
-    path = glob.glob(f"{tmp_path}/**/*.xplane.pb", recursive=True)[0]
-    ours = {
-        (p["name"], line["name"]): sorted((e["name"], e["duration_ps"] // 1000) for e in line["events"])
-        for p in xplane.parse_xspace(pathlib.Path(path).read_bytes()) for line in p["lines"]
-    }
-    theirs = {
-        (p.name, line.name): sorted((e.name, int(e.duration_ns)) for e in line.events)
-        for p in jax.profiler.ProfileData.from_file(path).planes for line in p.lines
-    }
-    assert ours == theirs
-    _, events, _ = gpu_profile.device_events(xplane.parse_xspace(pathlib.Path(path).read_bytes()))
-    assert events and all(e["name"] and "hlo_op" in e["stats"] for e in events)
+
+@pytest.fixture(scope="module")
+def cpu_trace(tmp_path_factory):
+    """(ProfileData, hlo instructions) of two traced calls of a small jitted step on CPU."""
+    f = jax.jit(lambda x, w: jnp.tanh(x @ w).sum(axis=0) + jnp.exp(w).mean())
+    x, w = jnp.ones((64, 64)), jnp.full((64, 64), 0.01)
+    compiled = f.lower(x, w).compile()
+    compiled(x, w).block_until_ready()
+    directory = tmp_path_factory.mktemp("trace")
+    with jax.profiler.trace(str(directory)):
+        for _ in range(2):
+            compiled(x, w).block_until_ready()
+    path = glob.glob(f"{directory}/**/*.xplane.pb", recursive=True)[0]
+    return path, profile_summary.hlo_instructions(compiled.as_text())
+
+
+def test_cpu_trace_summary_against_sums_by_hand(cpu_trace):
+    path, hlo = cpu_trace
+    profile = jax.profiler.ProfileData.from_file(path)
+    # Independently: every /host:CPU event whose stats name an hlo_op, as (name, start, end, hlo_op).
+    ops = [(e.name, e.start_ns, e.end_ns, dict(e.stats)["hlo_op"])
+           for p in profile.planes if p.name == "/host:CPU" for line in p.lines for e in line.events
+           if "hlo_op" in dict(e.stats)]
+    assert len(ops) >= 4 and all(op in hlo for _, _, _, op in ops), "every thunk maps to a compiled instruction"
+    s = profile_summary.profile_file(path, 2, hlo, 1000)
+    assert s["plane"] == "/host:CPU" and s["events"] == len(ops) and s["mapped_by"] == {"hlo_op": len(ops)}
+    durations = np.array([end - start for _, start, end, _ in ops])
+    t = s["timeline"]
+    assert t["kernel_sum_ms_per_step"] == pytest.approx(durations.sum() / 1e6 / 2)
+    # Busy: the union of [start, end) intervals, swept with NumPy (the running max of ends).
+    order = np.argsort([start for _, start, _, _ in ops], kind="stable")
+    starts, ends = np.array([ops[i][1] for i in order]), np.array([ops[i][2] for i in order])
+    reach = np.maximum.accumulate(ends)
+    new_segment = np.concatenate([[True], starts[1:] > reach[:-1]])
+    seg_ids = np.cumsum(new_segment) - 1
+    seg_start = starts[new_segment]
+    seg_end = np.array([reach[seg_ids == k].max() for k in range(seg_ids.max() + 1)])
+    assert t["busy_ms_per_step"] == pytest.approx((seg_end - seg_start).sum() / 1e6 / 2)
+    assert t["span_ms_per_step"] == pytest.approx((ends.max() - starts.min()) / 1e6 / 2)
+    assert t["busy_segments_per_step"] == len(seg_start) / 2
+    # Per kernel name: counts and total time.
+    by_name = collections.defaultdict(float)
+    for name, start, end, _ in ops:
+        by_name[name] += end - start
+    counts = collections.Counter(name for name, *_ in ops)
+    for k in s["top_kernels"]:
+        assert k["ms_per_step"] == pytest.approx(by_name[k["name"]] / 1e6 / 2), k["name"]
+        assert k["count_per_step"] == counts[k["name"]] / 2
+    assert s["distinct_kernels"] == len(by_name)
+    assert sum(c["count_per_step"] for c in s["categories"].values()) == len(ops) / 2
+    assert sum(c["share"] for c in s["categories"].values()) == pytest.approx(1.0)
+    assert {"hlo_op", "hlo_module"} <= set(s["event_stat_keys"])
 
 
 @pytest.mark.slow

@@ -102,7 +102,7 @@ def test_lower_layers_never_import_higher_ones():
     # Components (the classes hookspecs validate registrations against) sit below hookspecs.
     components = ("axcore.kernels", "axcore.layers", "axcore.mesh", "axcore.sharding", "axcore.data",
                   "axcore.observe", "axcore.checkpoint", "axcore.commands", "axcore.experiments",
-                  "axcore.trainer.optimizers", "axcore.trainer.schedules")
+                  "axcore.trainer.optimizers", "axcore.trainer.schedules", "axcore.trainer.objectives")
     order = [
         ("axcore.errors", "axcore.config", "axcore.markers"),
         ("axcore.params", "axcore.module", "axcore.registry"),

@@ -80,8 +80,8 @@ def test_the_three_resolutions_differ_where_the_platforms_do(experiment_file):
     decisions = {s: [d for d in e.kernel_decisions() if d.op == "attention"] for s, e in resolved.items()}
     attention = {s: {d.kernel for d in ds} for s, ds in decisions.items()}
     # Batches pack documents (segment ids): cuDNN declines them (no segment-id argument in
-    # jax.nn.dot_product_attention), so GPUs fall back to the reference until Pallas is verified on one.
-    assert attention == {"gpu-h100-8": {"xla"}, "tpu-v5p-64": {"splash"}, "neuron-trn2-16": {"xla"}}
+    # jax.nn.dot_product_attention), so GPUs run the Pallas kernel, the next by priority.
+    assert attention == {"gpu-h100-8": {"pallas"}, "tpu-v5p-64": {"splash"}, "neuron-trn2-16": {"xla"}}
     assert all(
         any(kernel == "cudnn" and "segment" in reason for kernel, reason in d.declined) for d in decisions["gpu-h100-8"]
     )

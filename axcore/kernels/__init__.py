@@ -1,7 +1,8 @@
-"""Ops (`dot`, `attention`), their problems, and the kernel registry."""
+"""Ops (`dot`, `attention`, `rms_norm`), their problems, and the kernel registry."""
 
 from axcore.kernels.attention import ATTENTION, AttentionProblem, XlaAttention, causal_mask, sliding_window_mask
 from axcore.kernels.dot import DOT, DotProblem, XlaCpuDot, XlaDot, dot_problem, reference_dot
+from axcore.kernels.norm import RMS_NORM, RMSNormProblem, XlaRMSNorm, reference_rms_norm, rms_norm_problem
 from axcore.kernels.registry import (
     SUPPORTED,
     Kernel,
@@ -25,6 +26,7 @@ from axcore.kernels.registry import (
 __all__ = [
     "ATTENTION",
     "DOT",
+    "RMS_NORM",
     "SUPPORTED",
     "AttentionProblem",
     "DotProblem",
@@ -35,10 +37,12 @@ __all__ = [
     "OpEnvironment",
     "OpRegistry",
     "Problem",
+    "RMSNormProblem",
     "Support",
     "XlaAttention",
     "XlaCpuDot",
     "XlaDot",
+    "XlaRMSNorm",
     "causal_mask",
     "current_environment",
     "current_platform",
@@ -49,6 +53,8 @@ __all__ = [
     "record_kernel_choices",
     "record_kernel_decisions",
     "reference_dot",
+    "reference_rms_norm",
+    "rms_norm_problem",
     "sliding_window_mask",
     "unknown_extras",
 ]

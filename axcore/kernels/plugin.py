@@ -1,7 +1,8 @@
-"""Built-in plugin: the `dot` and `attention` ops (with their XLA reference kernels) and the XLA:CPU dot kernel."""
+"""Built-in plugin: the `dot`, `attention` and `rms_norm` ops (with their XLA reference kernels) and the XLA:CPU dot kernel."""
 
 from axcore.kernels.attention import ATTENTION
 from axcore.kernels.dot import DOT, XlaCpuDot
+from axcore.kernels.norm import RMS_NORM
 from axcore.markers import hookimpl
 
 
@@ -9,6 +10,7 @@ from axcore.markers import hookimpl
 def axcore_register_ops(register):
     register(DOT)
     register(ATTENTION)
+    register(RMS_NORM)
 
 
 @hookimpl

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 
 from axcore.config import REQUIRED, DType, Floating, Length, Positive, Width
 from axcore.errors import ConfigError
+from axcore.kernels.norm import RMS_NORM, rms_norm_problem
+from axcore.kernels.registry import current_environment
 from axcore.layers.base import BaseLayer, DotSite
 from axcore.params import FanAxes, ParameterSpec
 
@@ -95,7 +97,12 @@ class Embedding(BaseLayer):
 
 
 class RMSNorm(BaseLayer):
-    """x / sqrt(mean(x^2) + eps) * scale over the last axis, computed in float32."""
+    """x / sqrt(mean(x^2) + eps) * scale over the last axis, computed in float32.
+
+    Runs through the `rms_norm` op (`axcore.kernels.norm`): `kernels: {rms_norm: NAME}` on
+    this layer or an ancestor forces a kernel (`xla`, the reference, computes the formula
+    above in jax.numpy). x's partition spec is unknown to the kernels (None in the problem).
+    """
 
     class Config(BaseLayer.Config):
         """Configures RMSNorm."""
@@ -110,9 +117,18 @@ class RMSNorm(BaseLayer):
         return {"scale": self._constant((self._config.input_dim,), 1.0, ("norm",))}
 
     def forward(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self._config.eps)
-        return (y * self.parameters["scale"].astype(jnp.float32)).astype(x.dtype)
+        """x `[..., input_dim]` -> the same shape and dtype, through the selected `rms_norm` kernel."""
+        scale = self.parameters["scale"]
+        problem = rms_norm_problem(
+            x,
+            scale,
+            eps=self._config.eps,
+            site=self.path,
+            extras=self.op_extras(RMS_NORM),
+            mesh=current_environment().mesh,
+            input_specs=self._input_specs((None, x), (("norm",), scale)),
+        )
+        return self._select(RMS_NORM, problem)(problem, x, scale)
 
 
 class LayerNorm(BaseLayer):

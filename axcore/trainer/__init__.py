@@ -1,6 +1,8 @@
-"""Training: the learner (registered optimizers and schedules on optax), the train loop, evaluation and sampling."""
+"""Training: the learner (registered optimizers and schedules on optax), objectives, the train step and loop,
+evaluation, and the loop's end-of-run callbacks (sampling, the loss plot)."""
 
 from axcore.trainer.config import CheckpointConfig, SampleConfig, TrainerConfig, WatchdogConfig
+from axcore.trainer.objectives import NextToken, Objective, ObjectiveOutput
 from axcore.trainer.learner import LearnerConfig, StateUpdateError, build_optimizer, learning_rate_schedule
 from axcore.trainer.optimizers import SGD, Adafactor, AdamW, Lion, Optimizer, scale_by_adam
 from axcore.trainer.schedules import Constant, Cosine, DecayShape, LinearDecay, Schedule, WarmupStableDecay
@@ -16,6 +18,9 @@ __all__ = [
     "DecayShape",
     "LearnerConfig",
     "Lion",
+    "NextToken",
+    "Objective",
+    "ObjectiveOutput",
     "LinearDecay",
     "Optimizer",
     "SampleConfig",

@@ -13,6 +13,7 @@ from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
 from axcore.observe.factories import JsonlWriterFactory, MetricsWriterFactory, TensorBoardWriterFactory
 from axcore.registry import Registries
 from axcore.trainer.learner import LearnerConfig, check_component
+from axcore.trainer.objectives import NextToken, Objective
 from axcore.trainer.optimizers import Optimizer
 from axcore.trainer.schedules import Schedule
 
@@ -87,6 +88,8 @@ class TrainerConfig(ConfigBase):
     check_memory: bool = True
     # Run directory; None = runs/<experiment name>-<UTC timestamp>.
     run_dir: Annotated[str, MaxLength(4096)] | None = None
+    # The loss the step differentiates: a registered objective (next_token, or a plugin's).
+    objective: InstantiableConfig = NextToken.default_config()
     # Optimizer and schedule.
     learner: LearnerConfig = LearnerConfig()
     # Checkpointing.
@@ -108,6 +111,7 @@ def check_trainer_config(cfg: TrainerConfig, registries: Registries, path: str =
     Raises:
         ConfigError (or a subclass) naming the offending path and what to use instead.
     """
+    check_component(cfg.objective, Objective, f"{path}.objective", names=registries.objectives.names())
     learner = f"{path}.learner"
     check_component(cfg.learner.optimizer, Optimizer, f"{learner}.optimizer", names=registries.optimizers.names())
     check_component(cfg.learner.schedule, Schedule, f"{learner}.schedule", names=registries.schedules.names())

@@ -1,6 +1,7 @@
-"""Built-in plugin: the optimizers (adamw, adafactor, lion, sgd) and learning-rate schedules."""
+"""Built-in plugin: the optimizers (adamw, adafactor, lion, sgd), learning-rate schedules and objectives (next_token)."""
 
 from axcore.markers import hookimpl
+from axcore.trainer.objectives import OBJECTIVES
 from axcore.trainer.optimizers import OPTIMIZERS
 from axcore.trainer.schedules import SCHEDULES
 
@@ -15,3 +16,9 @@ def axcore_register_optimizers(register):
 def axcore_register_schedules(register):
     for name, schedule in SCHEDULES.items():
         register(name, schedule)
+
+
+@hookimpl
+def axcore_register_objectives(register):
+    for name, objective in OBJECTIVES.items():
+        register(name, objective)

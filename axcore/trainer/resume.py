@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from axcore.checkpoint import CheckpointError, CheckpointNotFoundError, restore_verified
+from axcore.trainer.step import OBJECTIVE_STATE
 
 # Metadata key marking a parameters-only checkpoint.
 PARAMS_ONLY = "params_only"
@@ -41,8 +42,8 @@ def restore_train_state(
 ) -> tuple[dict, dict, bool]:
     """`(state, metadata, params_only)`: the train state of `step` (None: the latest that verifies).
 
-    `trainer` is the `Trainer` resuming (its `abstract_state()`, `optimizer` and
-    `state_shardings`). Lines from `restore_verified` (steps skipped) go to `report`,
+    `trainer` is the `Trainer` or `TrainStep` resuming (its `abstract_state()`, `optimizer`,
+    `objective` and `state_shardings`). Lines from `restore_verified` (steps skipped) go to `report`,
     only for the attempt that succeeds.
 
     Raises:
@@ -75,12 +76,16 @@ def restore_train_state(
 
 
 def fresh_train_state(trainer: Any, params: Any, step: int, seed: int) -> dict:
-    """The train state of `params` with a fresh optimizer state, `step` and the key of `seed`."""
+    """The train state of `params` with a fresh optimizer state (and objective state), `step` and the key of `seed`."""
     shardings = trainer.state_shardings
     key = jax.random.key_data(jax.random.key(seed))
-    return {
+    state = {
         "params": params,
         "opt_state": jax.jit(trainer.optimizer.init, out_shardings=shardings["opt_state"])(params),
         "step": jax.device_put(jnp.asarray(step, jnp.int32), shardings["step"]),
         "prng_key": jax.device_put(key, shardings["prng_key"]),
     }
+    if OBJECTIVE_STATE in shardings:  # E.g. a frozen reference model: a copy of the imported parameters.
+        init = jax.jit(trainer.objective.init_state, out_shardings=shardings[OBJECTIVE_STATE])
+        state[OBJECTIVE_STATE] = init(params)
+    return state

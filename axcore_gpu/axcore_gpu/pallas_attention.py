@@ -10,14 +10,15 @@ row logsumexp; the backward (a `jax.custom_vjp`, `pallas_attention_backward`)
 recomputes the probabilities from it: one kernel for dq (which also reduces
 `delta = rowsum(dO * O)`), one for dk and dv. Grouped-query attention reads kv head
 `n // group` through the BlockSpec index maps (k and v are never repeated); the
-dk/dv kernel owns one kv head and loops over its group of query heads. Key
-blocks that the causal mask or the window hide entirely are skipped (loop bounds).
+dk/dv kernel owns one kv head and loops over its group of query heads. Key blocks
+the causal mask or the window hide are skipped (loop bounds), and with segment ids so
+are the blocks no document of a tile reaches (`pallas_segment_ranges`).
 
 Kernels of the `attention` op with the gpu plugin, tried in priority order:
 
     100  cudnn   cuDNN flash attention (bfloat16/float16, no segment ids or soft-cap)
-     90  pallas  this module (the intended place; registered by the plugin at -10, below
-                 xla, until it has run on a GPU: force it with `kernels: {attention: pallas}`)
+     90  pallas  this module: packed documents (segment ids), soft-cap, float32, causal
+                 with q_len != kv_len, everything cuDNN declines
       0  xla     axcore's reference kernel, every capability (the fallback)
 
 Supported / declined (`PallasAttention.is_supported`, each decline with its reason):
@@ -37,11 +38,11 @@ Supported / declined (`PallasAttention.is_supported`, each decline with its reas
                    batch and heads)
 
 Block sizes: powers of two >= 16 (checked by the constructor); each is clamped to
-the sequence length rounded up to a power of two (at least 16). Defaults: 64 x 64
-for the forward and the backward, num_warps 4 for head_dim <= 64 else 8, num_stages
-2 (untuned: checked in interpret mode and by lowering to Triton IR, not yet timed on
-a GPU). Padding (lengths off the block grid, head_dim not a power of two) copies q,
-k and v once. Under a multi-device mesh the call runs inside `jax.shard_map` over
+the sequence length rounded up to a power of two (at least 16). Defaults (None):
+forward 128 query rows x 64 keys for bfloat16/float16 and 64 x 64 for float32,
+backward 64 x 64; num_warps 4 for head_dim <= 64 else 8, num_stages 2 (the fastest
+set `benchmarks/gpu_attention.py` timed on an H200, bfloat16, head_dim 128). Padding
+(lengths off the block grid, head_dim not a power of two) copies q, k and v once. Under a multi-device mesh the call runs inside `jax.shard_map` over
 the batch and head axes of the input specs, like `CudnnAttention`.
 
 Rows whose keys are all masked (e.g. causal with q_len > kv_len, or a query whose
@@ -65,6 +66,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec
 
 from axcore_gpu.cudnn_attention import mesh_layout
+from axcore_gpu.pallas_segment_ranges import visible_block_ranges
 
 # Dtypes of q, k, v the kernel takes (Triton dots in bf16/f16 with f32 accumulation, or f32).
 PALLAS_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
@@ -94,6 +96,8 @@ class FlashConfig:
     block_q_bwd: int
     block_k_bwd: int
     has_segments: bool
+    # With segment ids: bound the block loops by the blocks each tile's segments reach (pallas_segment_ranges).
+    segment_ranges: bool
     has_kv_mask: bool
     float32: bool
     interpret: bool
@@ -161,18 +165,27 @@ def query_block_range(cfg: FlashConfig, k_block, block_q: int, block_k: int):
 
 
 def split_refs(cfg: FlashConfig, refs):
-    """(q, k, v, q_seg, kv_seg, kv_keep) refs then the rest; absent optional inputs are None."""
+    """(q, k, v, q_seg, kv_seg, kv_keep) refs, the segments' block range ref, then the rest; absent ones None."""
     q_ref, k_ref, v_ref, *rest = refs
-    q_seg_ref = kv_seg_ref = keep_ref = None
+    q_seg_ref = kv_seg_ref = keep_ref = range_ref = None
     if cfg.has_segments:
         q_seg_ref, kv_seg_ref, *rest = rest
     if cfg.has_kv_mask:
         keep_ref, *rest = rest
-    return (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, keep_ref), rest
+    if cfg.has_segments and cfg.segment_ranges:
+        range_ref, *rest = rest
+    return (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, keep_ref), range_ref, rest
+
+
+def within_segments(range_ref, lo, hi):
+    """`[lo, hi)` narrowed to the blocks the segments leave visible (`pallas_segment_ranges`), if any."""
+    if range_ref is None:
+        return lo, hi
+    return jnp.maximum(lo, range_ref[0]), jnp.minimum(hi, range_ref[1])
 
 
 def _forward_kernel(*refs, cfg: FlashConfig):
-    (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, keep_ref), (o_ref, lse_ref) = split_refs(cfg, refs)
+    (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, keep_ref), range_ref, (o_ref, lse_ref) = split_refs(cfg, refs)
     bq, bk = cfg.block_q, cfg.block_k
     q_block = pl.program_id(2)
     q = q_ref[...]
@@ -198,7 +211,7 @@ def _forward_kernel(*refs, cfg: FlashConfig):
         acc = correction[:, None] * acc + dot(cfg, p.astype(v.dtype), v)
         return acc, m_next, l
 
-    lo, hi = key_block_range(cfg, q_block, bq, bk)
+    lo, hi = within_segments(range_ref, *key_block_range(cfg, q_block, bq, bk))
     acc = jnp.zeros((bq, q_ref.shape[-1]), jnp.float32)
     m = jnp.full((bq,), -jnp.inf, jnp.float32)
     l = jnp.zeros((bq,), jnp.float32)
@@ -214,8 +227,11 @@ def out_struct(like, shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, **({} if mat is None else {"manual_axis_type": mat}))
 
 
-def _optional_inputs(cfg: FlashConfig, q_seg, kv_seg, kv_keep):
-    return ((q_seg, kv_seg) if cfg.has_segments else ()) + ((kv_keep,) if cfg.has_kv_mask else ())
+def optional_inputs(cfg: FlashConfig, q_seg, kv_seg, kv_keep, ranges=None):
+    """The optional kernel inputs in `split_refs` order (segment ids, key mask, the segments' block ranges)."""
+    return ((q_seg, kv_seg) if cfg.has_segments else ()) + ((kv_keep,) if cfg.has_kv_mask else ()) + (
+        (ranges,) if ranges is not None else ()
+    )
 
 
 def flash_forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, kv_keep):
@@ -232,6 +248,10 @@ def flash_forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, kv_keep):
                      pl.BlockSpec((None, kv_pad), lambda b, n, i: (b, 0))]
     if cfg.has_kv_mask:
         in_specs.append(pl.BlockSpec((None, kv_pad), lambda b, n, i: (b, 0)))
+    ranges = None
+    if cfg.has_segments and cfg.segment_ranges:  # Key blocks of each query block that hold a key of its rows' segments.
+        ranges = visible_block_ranges(q_seg, kv_seg, bq, cfg.block_k)
+        in_specs.append(pl.BlockSpec((None, None, 2), lambda b, n, i: (b, i, 0)))
     return pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg),
         grid=(batch, heads, q_pad // bq),
@@ -244,7 +264,7 @@ def flash_forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, kv_keep):
         compiler_params=cfg.compiler_params(),
         interpret=cfg.interpret,
         name="axcore_flash_forward",
-    )(q, k, v, *_optional_inputs(cfg, q_seg, kv_seg, kv_keep))
+    )(q, k, v, *optional_inputs(cfg, q_seg, kv_seg, kv_keep, ranges))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -294,12 +314,13 @@ def flash_attention(
     q_segment_ids=None,
     kv_segment_ids=None,
     kv_mask=None,
-    block_q: int = 64,
-    block_k: int = 64,
+    block_q: int | None = None,
+    block_k: int | None = None,
     block_q_backward: int | None = None,
     block_k_backward: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    segment_ranges: bool = True,
     interpret: bool = False,
 ):
     """Flash attention of q `[b, t, n, h]`, k and v `[b, s, kv, h]` (semantics: module docstring)."""
@@ -309,8 +330,9 @@ def flash_attention(
         raise ValueError(f"num_heads {heads} is not a multiple of num_kv_heads {kv_heads}")
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must be given together")
-    bq, bk = _fit_block(block_q, q_len), _fit_block(block_k, kv_len)
-    bq_bwd, bk_bwd = _fit_block(block_q_backward or block_q, q_len), _fit_block(block_k_backward or block_k, kv_len)
+    sixteen_bit = np.dtype(q.dtype).itemsize == 2
+    bq, bk = _fit_block(block_q or (128 if sixteen_bit else 64), q_len), _fit_block(block_k or 64, kv_len)
+    bq_bwd, bk_bwd = _fit_block(block_q_backward or 64, q_len), _fit_block(block_k_backward or 64, kv_len)
     # Powers of two: the larger of a pair is a multiple of the smaller.
     q_pad = -(-q_len // max(bq, bq_bwd)) * max(bq, bq_bwd)
     kv_pad = -(-kv_len // max(bk, bk_bwd)) * max(bk, bk_bwd)
@@ -332,6 +354,7 @@ def flash_attention(
         block_q_bwd=bq_bwd,
         block_k_bwd=bk_bwd,
         has_segments=q_segment_ids is not None,
+        segment_ranges=segment_ranges,
         has_kv_mask=kv_mask is not None,
         float32=np.dtype(q.dtype) == np.float32,
         interpret=interpret,
@@ -360,13 +383,15 @@ class PallasAttention:
 
     Args:
         interpret: run the kernels in Pallas interpret mode (any platform; for tests).
-        block_q, block_k: query rows and keys per tile of the forward kernel.
-        block_q_backward, block_k_backward: tiles of the backward kernels (None: the forward's).
+        block_q, block_k: query rows and keys per tile of the forward kernel (None: the
+            measured defaults of the module docstring).
+        block_q_backward, block_k_backward: tiles of the backward kernels (None: 64 x 64).
         num_warps: Triton warps per program (None: 4 for head_dim <= 64, else 8).
         num_stages: Triton software-pipelining stages.
-        priority: selection priority (90: after cuDNN, before the XLA reference; the `gpu`
-            plugin registers it below the reference until it has run on a GPU, see
-            plugin.py).
+        segment_ranges: with segment ids, skip the key (query) blocks no row of a tile's
+            segments reaches (`pallas_segment_ranges`); False visits every block the causal
+            mask and window leave (for comparison).
+        priority: selection priority (90: after cuDNN, before the XLA reference).
     """
 
     name = "pallas"
@@ -377,12 +402,13 @@ class PallasAttention:
         self,
         *,
         interpret: bool = False,
-        block_q: int = 64,
-        block_k: int = 64,
+        block_q: int | None = None,
+        block_k: int | None = None,
         block_q_backward: int | None = None,
         block_k_backward: int | None = None,
         num_warps: int | None = None,
         num_stages: int = 2,
+        segment_ranges: bool = True,
         priority: int = 90,
     ):
         blocks = dict(block_q=block_q, block_k=block_k, block_q_backward=block_q_backward,
@@ -392,7 +418,8 @@ class PallasAttention:
                 raise ValueError(f"{what} {block}: block sizes must be powers of two >= {MIN_BLOCK}")
         self.interpret = interpret
         self.priority = priority
-        self.options = dict(blocks, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+        self.options = dict(blocks, num_warps=num_warps, num_stages=num_stages, segment_ranges=segment_ranges,
+                            interpret=interpret)
 
     def is_supported(self, problem: AttentionProblem) -> Support:
         if problem.platform != "gpu" and not self.interpret:

@@ -23,13 +23,16 @@ from jax.experimental import pallas as pl
 
 from axcore_gpu.pallas_attention import (
     FlashConfig,
+    optional_inputs,
     dot,
     key_block_range,
     logits_and_mask,
     out_struct,
     query_block_range,
     split_refs,
+    within_segments,
 )
+from axcore_gpu.pallas_segment_ranges import visible_block_ranges
 
 
 def _score_gradient(cfg: FlashConfig, s, mask, lse, delta, do, v):
@@ -45,7 +48,7 @@ def _score_gradient(cfg: FlashConfig, s, mask, lse, delta, do, v):
 
 
 def _dq_kernel(*refs, cfg: FlashConfig):
-    (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, keep_ref), rest = split_refs(cfg, refs)
+    (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, keep_ref), range_ref, rest = split_refs(cfg, refs)
     o_ref, do_ref, lse_ref, dq_ref, delta_ref = rest
     bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
     q_block = pl.program_id(2)
@@ -64,14 +67,14 @@ def _dq_kernel(*refs, cfg: FlashConfig):
         _, ds = _score_gradient(cfg, s, mask, lse, delta, do, v)
         return dq + dot(cfg, ds.astype(k.dtype), k)
 
-    lo, hi = key_block_range(cfg, q_block, bq, bk)
+    lo, hi = within_segments(range_ref, *key_block_range(cfg, q_block, bq, bk))
     dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
     delta_ref[...] = delta
 
 
 def _dkdv_kernel(*refs, cfg: FlashConfig):
-    (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, keep_ref), rest = split_refs(cfg, refs)
+    (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, keep_ref), range_ref, rest = split_refs(cfg, refs)
     do_ref, lse_ref, delta_ref, dk_ref, dv_ref = rest
     bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
     k_block = pl.program_id(2)
@@ -79,7 +82,7 @@ def _dkdv_kernel(*refs, cfg: FlashConfig):
     cols = k_block * bk + jnp.arange(bk)
     kv_seg = None if kv_seg_ref is None else kv_seg_ref[...]
     kv_keep = None if keep_ref is None else keep_ref[...]
-    lo, hi = query_block_range(cfg, k_block, bq, bk)
+    lo, hi = within_segments(range_ref, *query_block_range(cfg, k_block, bq, bk))
 
     def one_head(g, carry):  # Query head g of this kv head's group.
         def body(qb, carry):
@@ -112,7 +115,6 @@ def flash_backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, kv_keep, out, lse, 
     kv_pad, kv_heads = k.shape[1], k.shape[2]
     bq, bk, group = cfg.block_q_bwd, cfg.block_k_bwd, cfg.group
     d_out = d_out.astype(q.dtype)
-    optional = ((q_seg, kv_seg) if cfg.has_segments else ()) + ((kv_keep,) if cfg.has_kv_mask else ())
     common = dict(compiler_params=cfg.compiler_params(), interpret=cfg.interpret)
 
     q_rows = pl.BlockSpec((None, bq, None, head_dim), lambda b, n, i: (b, i, n, 0))
@@ -124,6 +126,11 @@ def flash_backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, kv_keep, out, lse, 
                      pl.BlockSpec((None, kv_pad), lambda b, n, i: (b, 0))]
     if cfg.has_kv_mask:
         in_specs.append(pl.BlockSpec((None, kv_pad), lambda b, n, i: (b, 0)))
+    key_ranges = query_ranges = None
+    if cfg.has_segments and cfg.segment_ranges:  # Visible key blocks per query block, and query blocks per key block.
+        key_ranges = visible_block_ranges(q_seg, kv_seg, bq, bk)
+        query_ranges = visible_block_ranges(kv_seg, q_seg, bk, bq)
+        in_specs.append(pl.BlockSpec((None, None, 2), lambda b, n, i: (b, i, 0)))
     dq, delta = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg),
         grid=(batch, heads, q_pad // bq),
@@ -132,7 +139,7 @@ def flash_backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, kv_keep, out, lse, 
         out_shape=[out_struct(q, q.shape, q.dtype), out_struct(q, lse.shape, jnp.float32)],
         name="axcore_flash_backward_dq",
         **common,
-    )(q, k, v, *optional, out, d_out, lse)
+    )(q, k, v, *optional_inputs(cfg, q_seg, kv_seg, kv_keep, key_ranges), out, d_out, lse)
 
     # One program per kv head and key block; q, dO and the row statistics of its group of query heads.
     group_rows = pl.BlockSpec((None, q_pad, group, head_dim), lambda b, h, j: (b, 0, h, 0))
@@ -144,6 +151,8 @@ def flash_backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, kv_keep, out, lse, 
                      pl.BlockSpec((None, bk), lambda b, h, j: (b, j))]
     if cfg.has_kv_mask:
         in_specs.append(pl.BlockSpec((None, bk), lambda b, h, j: (b, j)))
+    if query_ranges is not None:
+        in_specs.append(pl.BlockSpec((None, None, 2), lambda b, h, j: (b, j, 0)))
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg=cfg),
         grid=(batch, kv_heads, kv_pad // bk),
@@ -152,5 +161,5 @@ def flash_backward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, kv_keep, out, lse, 
         out_shape=[out_struct(k, k.shape, k.dtype), out_struct(k, v.shape, v.dtype)],
         name="axcore_flash_backward_dkdv",
         **common,
-    )(q, k, v, *optional, d_out, lse, delta)
+    )(q, k, v, *optional_inputs(cfg, q_seg, kv_seg, kv_keep, query_ranges), d_out, lse, delta)
     return dq, dk, dv

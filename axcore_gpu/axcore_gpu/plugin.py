@@ -1,4 +1,4 @@
-"""The `gpu` plugin (entry point `gpu`): cuDNN and Pallas attention, GPU mesh rules and XLA flags.
+"""The `gpu` plugin (entry point `gpu`): cuDNN and Pallas attention, RMSNorm kernels, GPU mesh rules, XLA flags.
 
 Autoloaded on a GPU machine (the platform is `gpu`), which registers its kernels and
 mesh rules; it has no config transform, so listing it in `plugins:` changes nothing
@@ -13,21 +13,30 @@ from __future__ import annotations
 from axcore import hookimpl
 
 from axcore_gpu.cudnn_attention import CudnnAttention
+from axcore_gpu.fused_norm import FusedVjpRMSNorm, PallasRMSNorm
 from axcore_gpu.mesh_rules import gpu_mesh_rules
 from axcore_gpu.pallas_attention import PallasAttention
 from axcore_gpu.xla_flags import gpu_xla_flags, probe_instance_type
 
 
-# The Pallas kernel is checked in interpret mode and lowered to Triton on CPU, but it has
-# not run on a GPU yet: until it has, it is registered below the XLA reference (priority
-# 0), so it runs only where a layer forces it (`kernels: {attention: pallas}`).
-PALLAS_PRIORITY_UNTIL_VERIFIED = -10
+# The `rms_norm` kernels (fused_norm.py) have not been timed on a GPU either: below the XLA
+# reference until they have, so they run only where forced (`kernels: {rms_norm: pallas}`).
+FUSED_VJP_NORM_PRIORITY_UNTIL_TIMED = -5
+PALLAS_NORM_PRIORITY_UNTIL_TIMED = -10
 
 
 @hookimpl
 def axcore_register_attention_kernels(register):
     register(CudnnAttention())
-    register(PallasAttention(priority=PALLAS_PRIORITY_UNTIL_VERIFIED))
+    # Priority 90, between cuDNN and the reference: it ran on an H200 (2026-11-25) within
+    # bfloat16 rounding of the reference and 7.2x faster than it on packed documents.
+    register(PallasAttention())
+
+
+@hookimpl
+def axcore_register_kernels(register):
+    register("rms_norm", FusedVjpRMSNorm(priority=FUSED_VJP_NORM_PRIORITY_UNTIL_TIMED))
+    register("rms_norm", PallasRMSNorm(priority=PALLAS_NORM_PRIORITY_UNTIL_TIMED))
 
 
 @hookimpl

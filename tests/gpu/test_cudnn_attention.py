@@ -118,13 +118,13 @@ def test_one_device_mesh_needs_no_specs():
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="a GPU is present")
-def test_without_a_cuda_device_it_declines_and_axcore_falls_back_to_xla():
+def test_without_a_cuda_device_it_declines_and_axcore_falls_back_to_the_next_kernel():
     assert cuda_compute_capability() is None
     support = CudnnAttention().is_supported(gpu_problem())
     assert not support and "no CUDA device" in support.reason
     kernels = create_plugin_manager(["gpu"], objects={"gpu": axcore_gpu.plugin}).registries.kernels
-    assert [k.name for k in kernels.candidates(ATTENTION)][:2] == ["cudnn", "xla"]  # By priority.
-    assert kernels.select(ATTENTION, gpu_problem()).name == "xla"
+    assert [k.name for k in kernels.candidates(ATTENTION)] == ["cudnn", "pallas", "xla"]  # By priority.
+    assert kernels.select(ATTENTION, gpu_problem()).name == "pallas"
     assert kernels.select(ATTENTION, gpu_problem(platform="cpu")).name == "xla"
 
 

@@ -127,27 +127,25 @@ def test_resolved_gpu_h100_8_config_matches_golden_file(request, capsys):
     assert lines["model.compute_dtype"] == "bfloat16" and lines["model.param_dtype"] == "null"
     assert lines["plugins"] == "[]"  # Loaded for the selected platform, not listed.
     # Kernels are chosen for the selected target (an H100: compute capability 9.0), also on a CPU host.
-    # Packed batches (segment ids): cuDNN declines them, the reference takes them (see test_kernel_decisions_...).
-    assert lines["# kernel attention"] == "xla (4 sites)"
+    # Packed batches (segment ids): cuDNN declines them, Pallas takes them (see test_kernel_decisions_...).
+    assert lines["# kernel attention"] == "pallas (4 sites)"
     assert lines["# kernel dot"] == "xla (25 sites)"  # xla_cpu declines: the platform is gpu.
 
 
-def test_plugin_registers_cudnn_first_and_pallas_below_the_reference_until_verified():
+def test_plugin_registers_cudnn_then_pallas_then_the_reference():
     from axcore.plugins import create_plugin_manager
 
     kernels = create_plugin_manager(["gpu"], objects={"gpu": axcore_gpu.plugin}).registries.kernels
     order = [kernel.name for kernel in kernels.candidates("attention")]
-    assert order == ["cudnn", "xla", "pallas"]
-    pallas = next(kernel for kernel in kernels.candidates("attention") if kernel.name == "pallas")
-    assert pallas.priority == axcore_gpu.plugin.PALLAS_PRIORITY_UNTIL_VERIFIED < 0
+    assert order == ["cudnn", "pallas", "xla"]
 
 
 def test_kernel_decisions_for_a_gpu_selector_name_the_declines():
     overrides = ["mesh.instance_type=gpu-h100-8", "model.compute_dtype=float32"]
     decisions = load_experiment("default", overrides, objects=OBJECTS).kernel_decisions()
     attention = {(d.kernel, d.declined) for d in decisions if d.op == "attention"}
-    assert attention == {("xla", (("cudnn", "dtype float32: cuDNN flash attention takes bfloat16 or float16"),))}
+    assert attention == {("pallas", (("cudnn", "dtype float32: cuDNN flash attention takes bfloat16 or float16"),))}
     bf16 = load_experiment("default", ["mesh.instance_type=gpu-a100-8"], objects=OBJECTS).kernel_decisions()
-    # Batches pack documents: cuDNN declines segment ids (jax.nn.dot_product_attention takes none).
+    # Batches pack documents: cuDNN declines segment ids (jax.nn.dot_product_attention takes none), Pallas takes them.
     [(kernel, declined)] = {(d.kernel, d.declined) for d in bf16 if d.op == "attention"}
-    assert kernel == "xla" and [k for k, _ in declined] == ["cudnn"] and "segment ids" in declined[0][1]
+    assert kernel == "pallas" and [k for k, _ in declined] == ["cudnn"] and "segment ids" in declined[0][1]

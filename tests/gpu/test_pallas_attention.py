@@ -159,6 +159,8 @@ CASES = {
     "causal, q_len < kv_len": (dict(causal=True), 40, 72, 2, 2, 16, {}),
     "sliding window": (dict(causal=True, sliding_window=10), 64, 64, 2, 2, 16, {}),
     "segment ids": (dict(causal=True), 64, 64, 2, 2, 16, {"segments": [[20, 30, 14], [7, 57]]}),
+    # Non-causal: the segments alone bound the key blocks on both sides (blocks skipped before and after).
+    "segment ids, non-causal": (dict(), 64, 64, 2, 2, 16, {"segments": [[9, 40, 15], [33, 31]]}),
     "gqa": (dict(causal=True), 32, 32, 8, 2, 16, {}),
     "softcap": (dict(softcap=2.0), 32, 48, 4, 4, 16, {}),
     "kv mask, non-causal window": (dict(sliding_window=12), 24, 48, 2, 2, 16, {"kv_mask": [48, 41]}),

@@ -1,0 +1,121 @@
+"""Callbacks of the training loop: what runs after the last step (the loss plot, the end-of-run sample).
+
+A callback is any object with `on_run_end(run: RunEnd) -> None`. The loop
+(`axcore.trainer.trainer.Trainer`) calls each of `trainer.callbacks`, in order, once
+training finished without error (the checkpoints are written, the metrics writers
+closed), on every process; a callback that writes files checks `is_primary()` itself.
+`Trainer(experiment, callbacks=[...])` replaces the defaults, `trainer.callbacks.append(cb)`
+adds one (Levanter's `trainer.add_hook`):
+
+    class Report:
+        def on_run_end(self, run):
+            print("final loss", run.trainer.run_dir, run.state["step"])
+
+    trainer = Trainer(experiment)
+    trainer.callbacks.append(Report())
+
+The defaults, `default_callbacks()`: `LossPlot` (`<run_dir>/loss.png` from the run's
+`metrics.jsonl`, process 0) and `Sample` (text generated from the trained model with
+`trainer.sample`, printed to the loop's `out`; its text is `TrainResult.sample`).
+A callback hands a result back through `run.results[name]`; `"sample"` is the one the
+loop returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from axcore.distributed import is_primary
+from axcore.generation import Generator, Sampling
+from axcore.observe import plot_loss_curve
+from axcore.observe.factories import JsonlWriterFactory
+
+# `RunEnd.results` key of the end-of-run sample's text (the loop's `TrainResult.sample`).
+SAMPLE = "sample"
+
+
+@dataclasses.dataclass
+class RunEnd:
+    """What an `on_run_end` callback gets."""
+
+    # The loop (its cfg, run_dir, model, tokenizer, stream, out, step object).
+    trainer: Any
+    # The final train state (params, opt_state, step, prng_key), on the devices.
+    state: dict
+    # Results callbacks hand back, by name ("sample": the end-of-run sample's text).
+    results: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class Callback(Protocol):
+    """Anything with `on_run_end`; called once after a run's last step (module docstring)."""
+
+    def on_run_end(self, run: RunEnd) -> None: ...
+
+
+class LossPlot:
+    """Writes `<run_dir>/loss.png` from the run's `metrics.jsonl` (process 0; nothing without the file)."""
+
+    def on_run_end(self, run: RunEnd) -> None:
+        trainer = run.trainer
+        metrics_file = trainer.run_dir / JsonlWriterFactory.FILENAME
+        if metrics_file.exists() and is_primary():
+            plot_loss_curve(
+                metrics_file, trainer.run_dir / "loss.png", run_name=trainer.run_dir.name, experiment=trainer.cfg.name,
+                token_unit=trainer.tokenizer.token_unit,
+            )
+
+
+class Sample:
+    """The end-of-run sample (`trainer.sample`): `run.results["sample"]` = `Trainer._sample(params)`."""
+
+    def on_run_end(self, run: RunEnd) -> None:
+        run.results[SAMPLE] = run.trainer._sample(run.state["params"])
+
+
+def default_callbacks() -> list[Callback]:
+    """The loop's callbacks unless told otherwise: the loss plot, then the sample."""
+    return [LossPlot(), Sample()]
+
+
+def sample_text(step: Any, params: Any, scfg: Any, out: Any, seed: int) -> str:
+    """Text generated from `params` with the settings `scfg` (a `SampleConfig`), printed to `out`.
+
+    `step` is the `TrainStep` (its model, tokenizer and op environment). The prompt and
+    the number of tokens are cut to the model's learned positions (one line on `out`
+    says so). Returns the prompt plus the generated text; "" when `scfg.num_tokens` is 0
+    or the prompt encodes to nothing.
+    """
+    if scfg.num_tokens <= 0:
+        return ""
+    tokenizer = step.tokenizer
+    eos = getattr(tokenizer, "eos_id", None)
+    prompt, num_tokens = np.asarray(tokenizer.encode(scfg.prompt)), scfg.num_tokens
+    limit = step.model.max_cache_len()  # Learned input positions end at their max_len.
+    if limit is not None and len(prompt) + num_tokens > limit:
+        prompt = prompt[-(limit - 1):] if len(prompt) >= limit else prompt
+        num_tokens = limit - len(prompt)
+        print(
+            f"Sample: {num_tokens} of trainer.sample.num_tokens={scfg.num_tokens} tokens, as the model's "
+            f"learned positions end at {limit}.",
+            file=out,
+        )
+    if len(prompt) == 0:
+        return ""
+    generator = Generator(
+        step.model,
+        max_new_tokens=num_tokens,
+        sampling=Sampling(scfg.temperature, scfg.top_k, scfg.top_p),
+        stop_tokens=() if eos is None else (eos,),
+    )
+    with step.op_environment():
+        [tokens] = generator(params, [prompt], jax.random.key(seed))
+    text = scfg.prompt + tokenizer.decode(np.asarray(tokens))
+    print(f"Sample:\n{text}", file=out)
+    return text
+
+
+__all__ = ["SAMPLE", "Callback", "LossPlot", "RunEnd", "Sample", "default_callbacks", "sample_text"]

@@ -1,0 +1,48 @@
+"""The loop's end-of-run callbacks: the defaults (loss plot, sample) are replaceable, a user's one sees the final state."""
+
+import jax
+import numpy as np
+
+from axcore.experiment import load_experiment
+from axcore.trainer.callbacks import LossPlot, Sample
+from axcore.trainer.trainer import Trainer
+import tiny
+
+RUN = [*tiny.TINY, "trainer.max_steps=2", "trainer.eval_every=0", "trainer.sample.num_tokens=4",
+       "trainer.sample.temperature=0", "trainer.metrics_writers=[{type: jsonl}]", "trainer.learner.schedule.warmup_steps=0"]
+
+
+class Recorder:
+    def __init__(self):
+        self.runs = []
+
+    def on_run_end(self, run):
+        self.runs.append((run.trainer, jax.device_get(run.state), dict(run.results)))
+
+
+def test_callbacks_replace_the_defaults_and_see_the_final_state(tmp_path):
+    exp = load_experiment(None, [*RUN, f"trainer.run_dir={tmp_path}"])
+    recorder = Recorder()
+    trainer = Trainer(exp, callbacks=[recorder])
+    result = trainer.run()
+    [(seen, state, results)] = recorder.runs
+    assert seen is trainer and results == {} and int(state["step"]) == 2
+    assert result.sample == "" and not (tmp_path / "loss.png").exists()  # Neither default ran.
+    backend = exp.registries.checkpoint_backends["orbax"](tmp_path / "checkpoints")
+    saved, _ = backend.restore(trainer.abstract_state(), step=2)
+    backend.close()
+    for a, b in zip(jax.tree.leaves(saved["params"]), jax.tree.leaves(state["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_default_callbacks_plot_then_sample_and_an_appended_one_runs_last(tmp_path, capsys):
+    exp = load_experiment(None, [*RUN, f"trainer.run_dir={tmp_path}"])
+    trainer = Trainer(exp)
+    assert [type(c) for c in trainer.callbacks] == [LossPlot, Sample]
+    recorder = Recorder()
+    trainer.callbacks.append(recorder)
+    result = trainer.run()
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    [(_, _, results)] = recorder.runs
+    assert results["sample"] == result.sample and result.sample.startswith("The ")
+    assert f"Sample:\n{result.sample}" in capsys.readouterr().out
