@@ -1,8 +1,11 @@
 """Which kernel each op call gets and why the kernels tried before it declined
 (`Experiment.kernel_decisions`, `axcore config --kernels`), for this machine or a selected target."""
 
+import pytest
+
 import axcore
 from axcore.cli import main
+from axcore.errors import KernelNotSupportedError
 from axcore.experiment import load_experiment
 from axcore.kernels import ATTENTION, XlaAttention, format_kernel_decisions
 from axcore.kernels.registry import KernelDecision
@@ -35,17 +38,20 @@ def test_decisions_name_every_site_and_the_reasons_of_earlier_kernels():
     assert [d.site for d in attention] == [f"model.decoder.layer{i}.self_attention.attention" for i in range(4)]
     assert {(d.kernel, d.declined) for d in attention} == {("xla", (("fussy", "wants an accelerator"),))}
     dots = [d for d in decisions if d.op == "dot"]
-    assert len(dots) == 25 and {d.kernel for d in dots} == {"xla_cpu"}
+    assert len(dots) == 25 and {d.kernel for d in dots} == {"xla"}  # xla_cpu is opt-in.
 
 
 def test_a_selected_instance_type_is_the_platform_kernels_answer_for():
-    # Resolved for a TPU on this CPU machine: problems say platform tpu, so the fussy kernel runs
-    # and the CPU-only dot kernel declines with its reason.
+    # Resolved for a TPU on this CPU machine: problems say platform tpu, so the fussy kernel runs;
+    # asked for, the CPU-only dot kernel declines with its reason.
     experiment = load_experiment("default", ["plugins=[fussy]", "mesh.instance_type=tpu-v5p-8"], objects=OBJECTS)
     decisions = experiment.kernel_decisions()
     assert {d.kernel for d in decisions if d.op == "attention"} == {"fussy"}
     dot = next(d for d in decisions if d.op == "dot")
-    assert dot.kernel == "xla" and dot.declined == (("xla_cpu", "only for the cpu platform, not tpu"),)
+    assert dot.kernel == "xla" and dot.declined == ()
+    with pytest.raises(KernelNotSupportedError, match="only for the cpu platform, not tpu"):
+        forced = ["plugins=[fussy]", "mesh.instance_type=tpu-v5p-8", "model.kernels={dot: xla_cpu}"]
+        load_experiment("default", forced, objects=OBJECTS).kernel_decisions()
 
 
 def test_a_forced_kernel_is_marked_forced():

@@ -60,16 +60,17 @@ def test_cpu_kernel_keeps_bfloat16_and_works_under_vmap_and_scan():
     np.testing.assert_allclose(out, np.full((3, 2, 2), 3.0))
 
 
-def test_selection_prefers_the_cpu_kernel_only_on_cpu_and_for_leading_contractions(registries):
+def test_the_cpu_kernel_is_opt_in_and_only_for_cpu_and_leading_contractions(registries):
     kernels = registries.kernels
     x, w = jax.ShapeDtypeStruct((2, 4), np.float32), jax.ShapeDtypeStruct((4, 16), np.float32)
     cpu = dot_problem(x, w, (0,), compute_dtype=np.float32, platform="cpu")
     gpu = dot_problem(x, w, (0,), compute_dtype=np.float32, platform="gpu")
     tied = dot_problem(x, jax.ShapeDtypeStruct((16, 4), np.float32), (1,), compute_dtype=np.float32, platform="cpu")
-    assert kernels.select(DOT, cpu).name == "xla_cpu"
+    assert kernels.select(DOT, cpu).name == "xla"  # Opt-in: below the reference.
+    assert kernels.select(DOT, cpu, requested="xla_cpu").name == "xla_cpu"
     assert kernels.select(DOT, gpu).name == "xla"
-    assert kernels.select(DOT, tied).name == "xla"
-    assert kernels.select(DOT, cpu, requested="xla").name == "xla"
+    with pytest.raises(KernelNotSupportedError, match="other than the weight.s leading ones"):
+        kernels.select(DOT, tied, requested="xla_cpu")
     with pytest.raises(KernelNotSupportedError, match="only for the cpu platform"):
         kernels.select(DOT, gpu, requested="xla_cpu")
 
@@ -106,17 +107,17 @@ def test_reference_declines_unknown_extras():
     assert not support and "fp8" in support.reason
 
 
-def test_kernels_field_forces_the_reference_kernel_for_forward_mode(registries):
+def test_forward_mode_works_by_default_and_the_opt_in_cpu_kernel_refuses_it(registries):
     cfg = Linear.default_config().set(input_dim=3, output_dim=4, bias=False)
     x = jnp.ones((2, 3))
-    for kernel in (None, "xla"):
+    for kernel in (None, "xla", "xla_cpu"):
         layer = cfg.clone(kernels=None if kernel is None else {"dot": kernel}).instantiate(name="proj", registries=registries)
         params = layer.initialize(jax.random.key(0))
 
         def f(x, layer=layer, params=params):
             return axcore.functional(layer, params, (x,), None, False)[0]
 
-        if kernel is None and jax.default_backend() == "cpu":  # The custom VJP has no JVP rule.
+        if kernel == "xla_cpu":  # Its custom VJP has no JVP rule.
             with pytest.raises(TypeError, match="custom_vjp"):
                 jax.jvp(f, (x,), (x,))
         else:
