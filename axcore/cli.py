@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from axcore.commands import BUILTIN_COMMANDS, listed_plugin_commands
+from axcore.errors import one_line
 
 EXIT_USAGE = 2
 # After Ctrl-C (128 + SIGINT), as shells report it; axcore/trainer/interrupt.py's EXIT_INTERRUPTED.
@@ -71,9 +72,6 @@ class _MainParser(_Parser):
         self.epilog = plugin_commands_help()
         return super().format_help()
 
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
 
 
 def _add_experiment(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -265,10 +263,9 @@ def _cmd_prepare(args) -> int:
 
 
 def _cmd_train(args) -> int:
+    from axcore.distributed import distributed_settings
     from axcore.experiment import load_experiment
     from axcore.trainer.trainer import Trainer
-
-    from axcore.distributed import distributed_settings
 
     distributed = distributed_settings(args.coordinator, args.num_processes, args.process_id)
     # XLA flags are set, and the job joined, before anything starts JAX's backend.
@@ -298,7 +295,6 @@ def _train_command(args) -> list[str]:
 
 def _cmd_config(args) -> int:
     from axcore.experiment import load_experiment
-
     from axcore.kernels import describe_kernel_choices
 
     experiment = load_experiment(args.experiment, _overrides(args), objects=args.objects)
@@ -328,7 +324,7 @@ def _data_check(experiment) -> str:
     try:
         config.input.check(config.tokenizer.instantiate())
     except AxcoreError as e:
-        return " ".join(str(e).split())
+        return one_line(e)
     return "ok"
 
 
@@ -449,7 +445,7 @@ def _run_plugin_command(name: str, argv: Sequence[str], objects: Mapping[str, An
     try:
         status = command.run(args)
     except AxcoreError as e:
-        print(f"axcore: error: {name} (plugin '{entry.provenance.plugin}'): {_one_line(e)}", file=sys.stderr)
+        print(f"axcore: error: {name} (plugin '{entry.provenance.plugin}'): {one_line(e)}", file=sys.stderr)
         return EXIT_USAGE
     return 0 if status is None else int(status)
 
@@ -474,7 +470,7 @@ def main(argv: Sequence[str] | None = None, *, objects: Mapping[str, Any] | None
         return COMMANDS[args.command](args)
     except AxcoreError as e:
         for problem in getattr(e, "problems", None) or [e]:  # ConfigValidationError: one line per problem.
-            print(f"axcore: error: {_one_line(problem)}", file=sys.stderr)
+            print(f"axcore: error: {one_line(problem)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as e:  # Exit 130, the SIGINT convention; `axcore train` says how to resume.
         # A RunInterrupted (its line names the resume command) exists only if its module was imported.

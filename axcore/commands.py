@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from axcore.entry_points import _dist_of, autoload_disabled, installed_entry_points
+from axcore.errors import one_line
 from axcore.registry import Provenance, Registry
 
 # The `axcore` command's own sub-commands; plugins may not register these names.
@@ -67,7 +68,7 @@ def command_callback(registry: Registry, provenance: Provenance) -> Callable[...
         run: Callable[[argparse.Namespace], int | None],
         *,
         add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
-        help: str = "",  # noqa: A002 - argparse's name for it.
+        help: str = "",  # argparse's name for it.
         override: bool = False,
     ) -> None:
         registry.register(name, Command(run, add_arguments, help), provenance, override)
@@ -168,7 +169,7 @@ def listed_plugin_commands() -> CommandListing:
             with open(path, encoding="utf-8") as f:
                 registered = _registered(f.read(), path)
         except (ValueError, ImportError, OSError, SyntaxError, UnicodeDecodeError) as e:
-            unreadable[plugin] = f"{module}: {' '.join(str(e).split()) or type(e).__name__}"
+            unreadable[plugin] = f"{module}: {one_line(e) or type(e).__name__}"
             continue
         if registered is None:
             unreadable[plugin] = f"{module} registers commands that only loading it can name"

@@ -48,7 +48,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from axcore.errors import AxcoreError
+from axcore.errors import AxcoreError, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ def initialize_distributed(settings: DistributedSettings | None) -> None:
         raise DistributedError(
             f"Could not join the multi-process job ({settings.source}, coordinator "
             f"{settings.coordinator_address or 'from Slurm'}, process {settings.process_id} of "
-            f"{settings.num_processes}): {' '.join(str(e).split())[:300]}. Check that every process started "
+            f"{settings.num_processes}): {one_line(e)[:300]}. Check that every process started "
             f"with the same coordinator address and that it is reachable."
         ) from e
     logger.info("Joined as process %d of %d.", jax.process_index(), jax.process_count())

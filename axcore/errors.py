@@ -11,6 +11,10 @@ import difflib
 from collections.abc import Iterable
 
 
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (runs of whitespace, newlines included, become one space)."""
+    return " ".join(str(error).split())
+
 class AxcoreError(Exception):
     """Base class of every error caused by user input (configs, plugins, files)."""
 

@@ -18,7 +18,7 @@ from functools import cache
 
 from axcore.config import REQUIRED, ConfigBase, InstantiableConfig
 from axcore.config.serialize import format_value, to_dict
-from axcore.experiment import ExperimentConfig
+from axcore.experiment_schema import ExperimentConfig
 from axcore.plugins import builtin_registries
 
 _HEADER = """\

@@ -45,7 +45,7 @@ Evolution policy (the plugin API, version `PLUGIN_API_VERSION`, MAJOR.MINOR):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from axcore.commands import command_callback, command_validator
 from axcore.config import Configurable
@@ -58,6 +58,7 @@ from axcore.markers import PROJECT_NAME, hookimpl, hookspec
 from axcore.mesh import MeshRule
 from axcore.module import Module
 from axcore.observe.factories import MetricsWriterFactory
+from axcore.register_callbacks import RegisterCommand, RegisterComponent, RegisterKernel, RegisterNamed
 from axcore.registry import (
     Family,
     NamedRegistry,
@@ -72,34 +73,17 @@ from axcore.trainer.schedules import Schedule
 
 if TYPE_CHECKING:
     from axcore.config import ConfigBase
-    from axcore.kernels.registry import Kernel, Op
     from axcore.registry import Registries
 
+# The Register* Protocols (axcore/register_callbacks.py) type each registration hook's `register` argument.
 __all__ = ["PLUGIN_API_VERSION", "PROJECT_NAME", "hookimpl", "hookspec"]
+__all__ += ["RegisterCommand", "RegisterComponent", "RegisterKernel", "RegisterNamed"]
 
 # Version of the plugin API these specs define (see "Evolution policy" above); a plugin
 # requires one with `AXCORE_PLUGIN_API = ">=1.0"`.
 PLUGIN_API_VERSION = "1.2"
 
 KERNELS = Family("kernels", "kernel", registry_class=KernelRegistry)
-
-
-class RegisterComponent(Protocol):
-    def __call__(self, name: str, component: Any, *, override: bool = False) -> None: ...
-
-
-class RegisterKernel(Protocol):
-    def __call__(self, op: Op | str, kernel: Kernel, *, override: bool = False) -> None: ...
-
-
-class RegisterNamed(Protocol):
-    def __call__(self, value: Any, *, override: bool = False) -> None: ...
-
-
-class RegisterCommand(Protocol):
-    def __call__(
-        self, name: str, run: Any, *, add_arguments: Any = None, help: str = "", override: bool = False
-    ) -> None: ...
 
 
 # -- Phase 0: hookspecs ------------------------------------------------------------------

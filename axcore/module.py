@@ -185,14 +185,15 @@ def _call(module: Module, name: str, fn: Callable, ctx: InvocationContext, args:
 
     outputs, collected = jax.checkpoint(pure, policy=policy)(ctx.state, ctx.prng_key, [leaves[i] for i in traced])
     for mine, new in zip(ctx.output_collection, collected):
-        _merge(mine, new)
+        deep_merge(mine, new)
     return outputs
 
 
-def _merge(into: dict, update: dict) -> None:
+def deep_merge(into: dict, update: dict) -> None:
+    """Merges `update` into `into` in place: nested dicts merge key by key, any other value replaces."""
     for key, value in update.items():
         if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
+            deep_merge(into[key], value)
         else:
             into[key] = value
 

@@ -365,7 +365,7 @@ def start(process_id: int, num_processes: int, coordinator_host: str | None) -> 
         else:
             watch.connect(host, int(port))
             threading.Thread(target=watch.follow, name="axcore-peer-watch", daemon=True).start()
-    except Exception as e:  # noqa: BLE001 - the watch is a convenience; never stop training for it.
+    except Exception as e:  # The watch is a convenience; never stop training for it.
         logger.warning(
             "Not watching the job's other processes (%s); a lost process is then noticed only after the "
             "heartbeat timeout.",

@@ -14,12 +14,12 @@ from typing import Any
 from packaging.utils import canonicalize_name
 
 from axcore import hookspecs
-from axcore.errors import PluginError, did_you_mean
+from axcore.errors import PluginError, did_you_mean, one_line
 from axcore.plugins import (
     API_REQUIREMENT_ATTRIBUTE,
-    Component,
     DISABLE_AUTOLOAD_ENV,
     LOAD_PLUGINS_ENV,
+    Component,
     PluginRequest,
     UnknownHookError,
     _allowed,
@@ -30,7 +30,6 @@ from axcore.plugins import (
     create_plugin_manager,
     load_allow_list,
 )
-
 
 # Keys of one plugin in `axcore plugins --json` (`PluginDescription.to_json`).
 PLUGIN_JSON_KEYS = (
@@ -97,7 +96,7 @@ def describe_plugins(
         try:
             manager.register_plugin(plugin, name, distribution=dist, version=version, source=source, enabled=False)
         except PluginError as e:
-            return "broken", " ".join(str(e).split())
+            return "broken", one_line(e)
         return "ok", ""
 
     for name, plugin in objects.items():
@@ -115,7 +114,7 @@ def describe_plugins(
             try:
                 plugin, dist, version = _load_entry_point(name, eps)
             except PluginError as e:
-                status, detail = "broken", " ".join(str(e).split())
+                status, detail = "broken", one_line(e)
             else:
                 status, detail = register(plugin, name, dist, version, "entry-point")
         entries.append((name, dist, version, "entry-point", status, detail))
@@ -143,7 +142,7 @@ def describe_plugins(
             try:
                 components = tuple(manager.components_of(name))
             except PluginError as e:
-                status, detail = "broken", " ".join(str(e).split())
+                status, detail = "broken", one_line(e)
         api = getattr(manager._infos[name].plugin, API_REQUIREMENT_ATTRIBUTE, None)
         out.append(
             PluginDescription(

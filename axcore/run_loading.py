@@ -186,7 +186,7 @@ def load_model_and_step(
         except CheckpointNotFoundError as e:
             raise RunLoadError(f"{e} ({where}); pass one of the committed steps or omit the step.") from None
         except CheckpointError as e:
-            if isinstance(e, CheckpointMismatchError) or "another model" in e.reason:
+            if isinstance(e, CheckpointMismatchError):
                 raise _mismatch(e, location.run_dir) from None
             raise
     finally:

@@ -26,8 +26,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from axcore.config import ConfigBase, ConfigValidationError, InstantiableConfig, config_problems, size_problems, walk
-from axcore.errors import AxcoreError, did_you_mean
+from axcore.config import (
+    ConfigBase,
+    ConfigValidationError,
+    InstantiableConfig,
+    config_problems,
+    setting_problems,
+    size_problems,
+    walk,
+)
+from axcore.errors import AxcoreError, did_you_mean, one_line
 from axcore.params import ParameterSpec
 
 # Directories a run directory may never be put under (kernel interfaces, not storage).
@@ -50,9 +58,6 @@ def check_sizes(config: ConfigBase, settings: Mapping[str, ConfigBase | None]) -
     if any(size_problems(tree, path) for tree, path in trees):
         raise ConfigValidationError([p for tree, path in trees for p in config_problems(tree, path)])
 
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
 
 
 def _short(text: str, limit: int = 80) -> str:
@@ -81,16 +86,7 @@ def run_dir_problem(run_dir: str, path: str = "trainer.run_dir") -> str | None:
 
 def _cross_section_problems(config: Any, *, check_required: bool = True) -> list[str]:
     """Checks across the experiment's sections (each field's own range is checked before)."""
-    problems: list[str] = []
-    seq_len = config.input.seq_len
-    for path, node in walk(config.model, "model"):
-        if isinstance(node, ConfigBase) and "max_len" in node.keys():
-            max_len = node.max_len
-            if isinstance(max_len, int) and max_len < seq_len:
-                problems.append(
-                    f"'{path}.max_len' ({max_len}) must be >= 'input.seq_len' ({seq_len}): it holds one entry per "
-                    f"position; raise max_len or lower seq_len."
-                )
+    problems = setting_problems(config, "model")  # Fields declared AtLeastSetting (e.g. a position table's max_len).
     for section in ("input", "tokenizer", "trainer") if check_required else ():  # Model fields: parents set some.
         for path, node in walk(getattr(config, section), section):
             if isinstance(node, InstantiableConfig) and node.missing_required():
@@ -126,7 +122,7 @@ def _kernel_problems(config: Any, registries: Any) -> list[str]:
             try:
                 names = sorted(k.name for k in kernels.candidates(op))
             except AxcoreError as e:
-                problems.append(f"'{path}.{field}': {_one_line(e)}")
+                problems.append(f"'{path}.{field}': {one_line(e)}")
                 continue
             if name not in names:
                 problems.append(
@@ -207,7 +203,7 @@ def validate_experiment(
         check_components()
         components_ok = True
     except AxcoreError as e:
-        problems.append(_one_line(e))
+        problems.append(one_line(e))
         raised[problems[-1]] = e
         components_ok = False
     problems += config_problems(config)
@@ -227,7 +223,7 @@ def validate_experiment(
         except ConfigValidationError as e:
             problems += e.problems
         except AxcoreError as e:
-            problems.append(_one_line(e))
+            problems.append(one_line(e))
             raised[problems[-1]] = e
     if len(problems) == 1 and problems[0] in raised:
         raise raised[problems[0]]

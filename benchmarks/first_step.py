@@ -101,8 +101,15 @@ def write_dataset(directory: str, total_tokens: int, shard_tokens: int, seed: in
     an interrupted write are kept (their done.json describes the same unit).
     """
     from axcore.data.shards import (
-        INDEX_FILE, PreparedShards, foreign_entries, read_done, remove_temporary_files, shard_name, token_dtype,
-        write_index, write_shard,
+        INDEX_FILE,
+        PreparedShards,
+        foreign_entries,
+        read_done,
+        remove_temporary_files,
+        shard_name,
+        token_dtype,
+        write_index,
+        write_shard,
     )
     from axcore.data.tokenizer import ByteTokenizer
 

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             compiled[name] = grad_fn(attention)
             jax.block_until_ready(compiled[name](q, k, v))
-        except Exception as e:  # noqa: BLE001 -- a contender the backend refuses is reported, the others run.
+        except Exception as e:  # A contender the backend refuses is reported, the others run.
             errors[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             compiled.pop(name, None)
     reference = compiled["xla_packed"](q, k, v)[1]

@@ -144,7 +144,7 @@ def profile_contender(c: Any, args: argparse.Namespace) -> dict[str, Any]:
         return {**out, "error": f"no .xplane.pb under {directory}"}
     try:
         out["profile"] = profile_file(files[-1], args.steps, hlo, args.top, tuple(window))
-    except Exception as e:  # noqa: BLE001 -- the other contender's profile still prints; the JSON says what failed.
+    except Exception as e:  # The other contender's profile still prints; the JSON says what failed.
         out["error"] = f"parsing {files[-1]}: {type(e).__name__}: {e}"
     return out
 

@@ -513,7 +513,7 @@ def _phase_main(args: argparse.Namespace) -> int:
     name = f"gpu_step_{args.phase}"
     try:
         result = run_phase(args, args.phase)
-    except Exception as e:  # noqa: BLE001 -- recorded in the phase's JSON for the parent; the exit status says it.
+    except Exception as e:  # Recorded in the phase's JSON for the parent; the exit status says it.
         message = f"{type(e).__name__}: {e}"
         oom = "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower()
         if not isinstance(e, BenchmarkError):

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import pathlib
 import sys
 import time
@@ -192,7 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"[gpu_variants] building {name} ...", file=sys.stderr, flush=True)
         try:
             variants[name] = build(name, args, shape)
-        except Exception as e:  # noqa: BLE001 -- a contender that cannot build is reported, the others run.
+        except Exception as e:  # A contender that cannot build is reported, the others run.
             failed[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
             print(f"[gpu_variants]   failed: {failed[name]}", file=sys.stderr, flush=True)
     on_device = {name: jax.device_put(packed if v.packed else plain, v.trainer.batch_sharding) for name, v in variants.items()}

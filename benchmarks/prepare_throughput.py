@@ -23,6 +23,7 @@ the per-round ratios (target: prepare >= 80% of encode_batch).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -120,8 +121,8 @@ def run(megabytes: float = 200.0, rounds: int = 3, vocab_size: int = 4096) -> di
         for r in range(rounds):
             output = os.path.join(tmp, f"out{r}")
             for name, result in (
-                ("prepare", lambda: _run(_PREPARE, corpus, output, tokenizer_file)),
-                ("encode_batch", lambda: _run(_ENCODE_BATCH, corpus, tokenizer_file)),
+                ("prepare", functools.partial(_run, _PREPARE, corpus, output, tokenizer_file)),
+                ("encode_batch", functools.partial(_run, _ENCODE_BATCH, corpus, tokenizer_file)),
             ):
                 measured = result()
                 rates[name].append(measured["tokens"] / measured["seconds"])

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             run_one(module, args.smoke, results_dir)
-        except Exception:  # noqa: BLE001 -- one broken benchmark must not hide the others' results.
+        except Exception:  # One broken benchmark must not hide the others' results.
             traceback.print_exc()
             failed.append(name)
             notes.append(f"{name} FAILED in this run (traceback on stderr); an older {name}.json may be shown.")

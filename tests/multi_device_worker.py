@@ -28,13 +28,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import tiny  # noqa: E402
-from axcore.data import Split  # noqa: E402
-from axcore.experiment import load_experiment  # noqa: E402
-from axcore.params import ParameterSpec  # noqa: E402
-from axcore.sharding import path_name  # noqa: E402
-from axcore.sharding_report import sharding_report  # noqa: E402
-from axcore.trainer.trainer import Trainer  # noqa: E402
+from axcore.data import Split
+from axcore.experiment import load_experiment
+from axcore.params import ParameterSpec
+from axcore.sharding import path_name
+from axcore.sharding_report import sharding_report
+from axcore.trainer.trainer import Trainer
+
+import tiny
 
 STEPS = 20
 BASE = [*tiny.TINY, f"trainer.max_steps={STEPS}", "trainer.learner.schedule.warmup_steps=2"]

@@ -26,10 +26,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import tiny  # noqa: E402
-from axcore.experiment import load_experiment  # noqa: E402
-from axcore.trainer.config import make_checkpoint_backend  # noqa: E402
-from axcore.trainer.trainer import Trainer  # noqa: E402
+from axcore.experiment import load_experiment
+from axcore.trainer.config import make_checkpoint_backend
+from axcore.trainer.trainer import Trainer
+
+import tiny
 
 MESHES = {"2x2x2": {"data": 2, "fsdp": 2, "tensor": 2}, "1": {"data": 1}, "fsdp4_tensor2": {"fsdp": 4, "tensor": 2}}
 

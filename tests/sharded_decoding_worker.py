@@ -14,11 +14,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import tiny  # noqa: E402
-from axcore.experiment import load_experiment  # noqa: E402
-from axcore.generation import Generator  # noqa: E402
-from axcore.module import functional  # noqa: E402
-from axcore.trainer.trainer import Trainer  # noqa: E402
+from axcore.experiment import load_experiment
+from axcore.generation import Generator
+from axcore.module import functional
+from axcore.trainer.trainer import Trainer
+
+import tiny
 
 MODEL = [*tiny.TINY, "plugins=[rope]", "model.decoder.layer.self_attention.num_heads=4",
          "model.decoder.layer.self_attention.num_kv_heads=2"]

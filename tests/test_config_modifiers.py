@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import axcore
+from axcore.config import dump_flat
 from axcore.config_modifiers import (
     REMAT_POLICIES,
     attention_kernel,
@@ -16,7 +17,6 @@ from axcore.config_modifiers import (
     microbatches,
     remat,
 )
-from axcore.config import dump_flat
 from axcore.errors import AxcoreError, ConfigError, NoMatchError, UnknownComponentError
 from axcore.experiment import ExperimentConfig, load_experiment
 from axcore.kernels import XlaAttention
@@ -208,7 +208,7 @@ def test_a_rematerialized_layer_still_records_its_outputs(registries):
         cfg.child.remat_policy = policy
         parent = cfg.instantiate(name="p", registries=registries)
         (y, collection) = axcore.functional(parent, {}, (x,), None, True)
-        grad = jax.grad(lambda v: jnp.sum(axcore.functional(parent, {}, (v,), None, True)[0]))(x)
+        grad = jax.grad(lambda v: jnp.sum(axcore.functional(parent, {}, (v,), None, True)[0]))(x)  # noqa: B023 (called here)
         outputs[policy] = (y, collection.module_outputs, grad)
     (y0, out0, g0), (y1, out1, g1) = outputs[None], outputs["nothing_saveable"]
     np.testing.assert_allclose(y1, 3.0 * np.sin(np.asarray(x)), rtol=1e-6)

@@ -12,7 +12,6 @@ import pytest
 import axcore
 from axcore import hookspecs
 from axcore.config import ConfigBase, InstantiableConfig, find
-from axcore.errors import ConfigError
 from axcore.experiment import ExperimentConfig
 from axcore.experiment_reference import experiment_reference, field_comment
 from axcore.hook_reference import hook_names, hook_reference, signature_text
@@ -37,7 +36,7 @@ def block(doc: str, language: str, first_line: str) -> str:
 
 def module(name: str, source: str) -> types.ModuleType:
     mod = types.ModuleType(name)
-    exec(compile(source, f"<docs {name}>", "exec"), mod.__dict__)  # noqa: S102 - our own docs' code.
+    exec(compile(source, f"<docs {name}>", "exec"), mod.__dict__)  # Our own docs' code.
     return mod
 
 

@@ -6,19 +6,19 @@ import json
 import math
 import os
 
-import jax
 import numpy as np
 import pytest
 
 import axcore
 from axcore.cli import main
-from axcore.evaluation import evaluate_run, windows
 from axcore.data import Split
 from axcore.data.device_loader import shard_layout
+from axcore.evaluation import evaluate_run, windows
 from axcore.observe import read_jsonl_metrics
 from axcore.run_loading import load_model
 from axcore.trainer.inputs import input_pipeline
 from axcore.trainer.trainer import Trainer
+
 import tiny
 
 TRAIN = [*tiny.TINY, "trainer.max_steps=3", "trainer.eval_every=3", "trainer.eval_batches=2",
@@ -64,7 +64,8 @@ def test_perplexity_equals_an_independent_numpy_computation(run, tmp_path, capsy
     assert result["loss"] == pytest.approx(expected, rel=1e-5)
     assert result["perplexity"] == pytest.approx(math.exp(expected), rel=1e-5)
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-12)
-    assert result["step"] == 3 and result["complete"] and result["batches"] == -(-(-(-count // 16)) // 3)
+    rows = -(-count // 16)  # Ceiling divisions: rows of 16 targets, then batches of 3 rows.
+    assert result["step"] == 3 and result["complete"] and result["batches"] == -(-rows // 3)
     # The same ids as a token file, and as a JSONL document, give the same numbers.
     tokens.astype(np.uint16).tofile(tmp_path / "held_out.bin")
     (tmp_path / "held_out.jsonl").write_text(json.dumps({"text": TEXT}) + "\n")

@@ -12,6 +12,7 @@ import pytest
 from axcore.cli import main
 from axcore.module import functional
 from axcore.run_loading import load_model
+
 import tiny
 
 TRAIN = [*tiny.TINY, "trainer.max_steps=3", "trainer.eval_every=0", "trainer.sample.num_tokens=0",

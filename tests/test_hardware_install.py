@@ -16,6 +16,7 @@ import subprocess
 import venv
 
 import pytest
+
 import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

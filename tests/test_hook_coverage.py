@@ -40,7 +40,7 @@ def _recording_plugin(calls: list[str]) -> types.ModuleType:
         source.append(f"@axcore.hookimpl\ndef {hook}({arguments}):\n    calls.append({hook!r})\n    return {result}\n")
     plugin = types.ModuleType("recording_plugin")
     plugin.__dict__.update(axcore=axcore, calls=calls)
-    exec("\n".join(source), plugin.__dict__)  # noqa: S102 - generated from the hookspecs above.
+    exec("\n".join(source), plugin.__dict__)  # Generated from the hookspecs above.
     return plugin
 
 

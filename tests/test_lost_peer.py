@@ -19,9 +19,10 @@ import sys
 import time
 
 import pytest
-import tiny
 
 from axcore.distributed import DistributedError, distributed_settings
+
+import tiny
 
 # Seconds a launch may take to commit its first checkpoint, or to finish.
 LAUNCH_TIMEOUT = 180

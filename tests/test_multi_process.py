@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+
 import tiny
 
 pytestmark = pytest.mark.slow

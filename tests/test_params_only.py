@@ -13,6 +13,7 @@ from axcore.cli import main
 from axcore.experiment import load_experiment
 from axcore.run_loading import load_model, save_model
 from axcore.trainer.trainer import Trainer
+
 import tiny
 
 SETTINGS = [*tiny.TINY, "trainer.max_steps=3", "trainer.checkpoint.every_n_steps=3", "trainer.eval_every=0",

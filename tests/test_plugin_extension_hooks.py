@@ -2,7 +2,6 @@
 command, with no change to axcore, and each one takes effect."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -16,6 +15,7 @@ from axcore.experiment import load_experiment
 from axcore.observe import MetricsWriterFactory
 from axcore.trainer import Optimizer, Schedule
 from axcore.trainer.trainer import Trainer
+
 import tiny
 
 

@@ -2,6 +2,8 @@
 through either checkpoint backend, from the run, checkpoints/ or step directory; bad paths and steps
 are one-line RunLoadErrors; `save_model` writes a run directory that loads back."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from axcore.cli import main
 from axcore.experiment import load_experiment
 from axcore.run_loading import LoadedModel, RunLoadError, load_model, locate_run, save_model
 from axcore.trainer.trainer import Trainer
+
 import tiny
 
 TRAIN = [*tiny.TINY, "trainer.max_steps=4", "trainer.checkpoint.every_n_steps=2", "trainer.checkpoint.keep_last_n=null",
@@ -56,7 +59,7 @@ def test_latest_step_restores_the_runs_final_parameters(orbax_run):
         assert isinstance(loaded, LoadedModel) and loaded.step == 4 and loaded.source == run.resolve()
         _assert_same(loaded.params, final)
     assert loaded.experiment.config.model.dim == 32 and loaded.model.name == "model"
-    with pytest.raises(Exception):  # Frozen.
+    with pytest.raises(dataclasses.FrozenInstanceError):
         loaded.step = 1
 
 

@@ -26,6 +26,7 @@ from axcore.sharding import (
     resolve_rules,
 )
 from axcore.sharding_report import sharding_report
+
 import tiny
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"

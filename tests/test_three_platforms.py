@@ -19,14 +19,14 @@ for package in ("axcore_gpu", "axcore_tpu", "axcore_neuron"):
     if str(ROOT / package) not in sys.path:
         sys.path.insert(0, str(ROOT / package))
 
+from axcore.cli import main  # noqa: E402
+from axcore.experiment import load_experiment  # noqa: E402
+
 import axcore_gpu.fp8_plugin  # noqa: E402
 import axcore_gpu.plugin  # noqa: E402
 import axcore_neuron.plugin  # noqa: E402
 import axcore_tpu.int8_plugin  # noqa: E402
 import axcore_tpu.plugin  # noqa: E402
-
-from axcore.cli import main  # noqa: E402
-from axcore.experiment import load_experiment  # noqa: E402
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 OBJECTS = {

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from axcore._lazy import lazy_exports
-
 from axcore.checkpoint.base import (
     CheckpointBackend,
     CheckpointError,

@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from axcore.checkpoint.base import CheckpointError
+from axcore.errors import one_line
 
 Index = tuple[tuple[int, int], ...]  # (start, stop) per dimension.
 
@@ -314,7 +315,7 @@ def cause(e: BaseException) -> str:
     while (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
         seen.add(id(inner))
         e = inner  # The storage library's own error, not orbax's wrapper of it.
-    text = " ".join(str(e).split())
+    text = one_line(e)
     text = re.split(r"\s*See full TensorStore details", text, maxsplit=1)[0]
     text = re.split(r"\s*\[(?:source locations|tensorstore_spec)", text, maxsplit=1)[0]
     text = re.sub(r"\{.*\}", "{...}", text)  # JSON specs.

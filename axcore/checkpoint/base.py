@@ -153,7 +153,8 @@ def restore_verified(
 
     Raises:
         CheckpointNotFoundError: no committed step (or not `step`).
-        CheckpointError: `step` fails, or no committed step verifies.
+        CheckpointError: `step` fails, or no committed step verifies
+            (CheckpointMismatchError when the newest step is another model's).
     """
     options = {"partial": True} if partial else {}  # A backend without partial restore keeps working.
     if step is not None:
@@ -183,7 +184,9 @@ def restore_verified(
     for (bad, e), following in zip(failed, [f for f, _ in failed[1:]]):
         report(f"Checkpoint step {bad} failed verification ({_short(e.reason)}); restoring step {following}.")
     newest = f"step {failed[0][0]}: {failed[0][1].reason}"
-    raise CheckpointError(
+    # The newest step's kind of failure decides the error's type (another model's checkpoint: a mismatch).
+    error_type = type(failed[0][1]) if isinstance(failed[0][1], CheckpointMismatchError) else CheckpointError
+    raise error_type(
         f"No committed checkpoint in {getattr(backend, 'directory', 'the directory')} verifies ({_short(newest)}"
         + (f"; and {len(failed) - 1} older step(s) failed too" if len(failed) > 1 else "")
         + "); set trainer.checkpoint.restore_step=N to see one step's error, or start from a fresh directory.",

@@ -305,10 +305,10 @@ class TensorStoreBackend:
                 raise ValueError("it does not match the checksum in " + COMMIT_MARKER)
             index = json.loads(raw)
             for e in index["arrays"]:
-                e["path"], e["name"], e["shape"], e["dtype"]  # noqa: B018  (all present)
+                e["path"], e["name"], e["shape"], e["dtype"]  # All present
                 if not isinstance(e["name"], str) or not _SAFE_NAME.fullmatch(e["name"]):
                     raise ValueError(f"array name {e['name']!r} is not one this backend writes (it could escape {ARRAYS_DIR}/)")
-            index["empty"], index["metadata"]  # noqa: B018
+            index["empty"], index["metadata"]
         except CheckpointError:
             raise
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:

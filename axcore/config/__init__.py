@@ -14,6 +14,7 @@ from axcore.config.base import (
 )
 from axcore.config.constraints import (
     AllowNonFinite,
+    AtLeastSetting,
     ConfigValidationError,
     Constraint,
     Depth,
@@ -31,6 +32,7 @@ from axcore.config.constraints import (
     Width,
     config_problems,
     raise_collected,
+    setting_problems,
     size_problems,
     validate_config,
 )
@@ -53,6 +55,7 @@ __all__ = [
     "Constraint",
     "Depth",
     "Floating",
+    "AtLeastSetting",
     "Length",
     "Matches",
     "MaxLength",
@@ -66,6 +69,7 @@ __all__ = [
     "Width",
     "config_problems",
     "raise_collected",
+    "setting_problems",
     "size_problems",
     "validate_config",
     "REQUIRED",

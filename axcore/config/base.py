@@ -244,7 +244,7 @@ class ConfigBase:
                 for name, annotation in klass.__dict__["__annotations__"].items():
                     if name in cls._field_defaults:
                         if isinstance(annotation, str):
-                            annotation = eval(annotation, globalns, localns)  # noqa: S307
+                            annotation = eval(annotation, globalns, localns)
                         hints[name] = annotation
             cls._field_types_cache = hints
         return cls._field_types_cache

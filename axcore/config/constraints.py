@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from axcore.config.base import REQUIRED, ConfigBase
-from axcore.errors import ConfigError
+from axcore.errors import ConfigError, one_line
 
 
 class ConfigValidationError(ConfigError):
@@ -72,7 +72,7 @@ def raise_collected(errors: Sequence[ConfigError]) -> None:
     if len(errors) == 1:
         raise errors[0]
     if errors:
-        raise ConfigValidationError([" ".join(str(e).split()) for e in errors])
+        raise ConfigValidationError([one_line(e) for e in errors])
 
 
 class Constraint:
@@ -84,6 +84,54 @@ class Constraint:
     def advice(self, value: Any) -> str | None:
         """What to do about a `value` that has a problem (appended to the line), or None."""
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class AtLeastSetting(Constraint):
+    """At least the experiment's value at `setting` (a dotted path from the root, e.g. `input.seq_len`).
+
+    A check across sections, so the field alone accepts any value; `setting_problems` runs it
+    on a whole experiment (e.g. a learned position table's `max_len` against the sequence length).
+    """
+
+    # Dotted path of the setting, from the experiment's root.
+    setting: str
+    # Why the field must cover the setting (a clause, shown after the numbers).
+    why: str
+
+    def problem(self, value: Any) -> str | None:
+        return None
+
+
+def setting_problems(root: ConfigBase, section: str) -> list[str]:
+    """Problems of every `AtLeastSetting` field under `root.<section>`, measured against `root`."""
+    problems: list[str] = []
+
+    def setting(path: str) -> Any:
+        value: Any = root
+        for part in path.split("."):
+            value = getattr(value, part, None)
+        return value
+
+    def visit(cfg: ConfigBase, path: str) -> None:
+        types_ = type(cfg).field_types()
+        for name, value in cfg.items():
+            where = f"{path}.{name}"
+            for c in _split(types_[name])[1]:
+                limit = setting(c.setting) if isinstance(c, AtLeastSetting) else None
+                if isinstance(value, int) and isinstance(limit, int) and value < limit:
+                    problems.append(
+                        f"'{where}' ({value}) must be >= '{c.setting}' ({limit}): {c.why}; raise {name} or lower "
+                        f"{c.setting.rsplit('.', 1)[-1]}."
+                    )
+            items = [(value, where)] if isinstance(value, ConfigBase) else []
+            if isinstance(value, (list, tuple)):
+                items = [(item, f"{where}[{i}]") for i, item in enumerate(value) if isinstance(item, ConfigBase)]
+            for item, item_path in items:
+                visit(item, item_path)
+
+    visit(getattr(root, section), section)
+    return problems
 
 
 @dataclasses.dataclass(frozen=True)

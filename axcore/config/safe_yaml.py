@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from axcore.errors import ConfigError
+from axcore.errors import ConfigError, one_line
 
 MAX_BYTES = 1 << 20  # 1 MiB
 MAX_DEPTH = 64
@@ -157,7 +157,7 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
         parts = [p for p in (e.context, e.problem) if p]
         mark = e.problem_mark or e.context_mark
         return " ".join(" ".join(parts).split()) + _at(mark)
-    return " ".join(str(e).split())
+    return one_line(e)
 
 
 def decode(data: bytes, label: str) -> str:
@@ -196,7 +196,7 @@ def load(source: str | bytes, label: str = "<yaml>") -> Any:
     except yaml.YAMLError as e:
         raise YAMLInputError(label, f"invalid YAML: {_yaml_problem(e)}") from None
     except (ValueError, OverflowError, RecursionError) as e:  # e.g. a 5000-digit int, a bad date.
-        raise YAMLInputError(label, f"invalid YAML value: {' '.join(str(e).split())}") from None
+        raise YAMLInputError(label, f"invalid YAML value: {one_line(e)}") from None
     finally:
         if loader is not None:
             loader.dispose()

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import yaml
 
+from axcore.config import safe_yaml
 from axcore.config.base import (
     REQUIRED,
     ConfigBase,
@@ -30,7 +31,6 @@ from axcore.config.base import (
     coerce,
     default_config_for,
 )
-from axcore.config import safe_yaml
 from axcore.config.traversal import join_path, split_path
 from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
 

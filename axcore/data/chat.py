@@ -52,7 +52,7 @@ from packaging.version import Version
 
 from axcore.data.errors import DataError
 from axcore.data.tokenizer import Tokenizer
-from axcore.errors import ConfigError
+from axcore.errors import ConfigError, one_line
 
 # Oldest jinja2 trusted with templates from model repositories (older ones have sandbox escapes; transformers agrees).
 MIN_JINJA2 = "3.1.6"
@@ -239,7 +239,7 @@ def _render(template: ChatTemplate, messages: Sequence[dict], prompt: bool, vari
         return template.render(messages, add_generation_prompt=prompt, **variables)
     except _RENDER_ERRORS as e:
         raise DataError(
-            f"{where}: chat template {template.name} failed on this conversation: {' '.join(str(e).split())}; "
+            f"{where}: chat template {template.name} failed on this conversation: {one_line(e)}; "
             f"fix the record or use another template."
         ) from None
 

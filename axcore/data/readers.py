@@ -33,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from axcore.data.errors import DataError
+from axcore.errors import one_line
 
 # Formats `iter_text_documents` reads.
 TEXT_FORMATS = ("text", "jsonl", "parquet")
@@ -337,7 +338,7 @@ def _parquet_file(path: str, field: str):
     try:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
-        raise DataError(f"Parquet file '{path}' cannot be read ({' '.join(str(e).split())}); is it a Parquet file?") from None
+        raise DataError(f"Parquet file '{path}' cannot be read ({one_line(e)}); is it a Parquet file?") from None
     schema = parquet.schema_arrow
     if field not in schema.names:
         raise DataError(
@@ -372,4 +373,4 @@ def _iter_parquet_strings(path: str, field: str, row_groups: Sequence[int] | Non
                     yield f"'{path}' row {row}", value
                     row += 1
         except (OSError, pa.ArrowException) as e:
-            raise DataError(f"Parquet file '{path}' cannot be read near row {row}: {' '.join(str(e).split())}.") from None
+            raise DataError(f"Parquet file '{path}' cannot be read near row {row}: {one_line(e)}.") from None

@@ -37,8 +37,8 @@ from typing import Annotated, Any
 import numpy as np
 
 from axcore.config import REQUIRED, Configurable, Positive, Probability
-from axcore.data.errors import DataError
 from axcore.data.chat import ChatTemplate, TrainOn, render_chat
+from axcore.data.errors import DataError
 from axcore.data.readers import expand_paths, iter_chat_records, iter_text_documents
 from axcore.data.shards import PreparedShards
 from axcore.data.tokenizer import ByteTokenizer, Tokenizer

@@ -9,10 +9,10 @@ against `Tokenizer`).
 
 from __future__ import annotations
 
-from typing import Annotated
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
+from typing import Annotated
 
 import numpy as np
 

@@ -30,11 +30,11 @@ A subclass adds a child layer with `self.add_child(name, cfg)` in `__init__`.
 
 from __future__ import annotations
 
-from typing import Annotated
 import contextlib
 import contextvars
 import math
 from collections.abc import Iterator
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,6 @@ from axcore.layers.base import BaseLayer, DotSite, with_fields
 from axcore.layers.position import PositionEmbedding
 from axcore.module import no_context
 from axcore.params import FanAxes, ParameterSpec, fold_in_name
-
 
 # Logical axes of projected queries and keys/values `[batch, seq, heads, head_dim]`.
 QKV_AXES = {"q": ("batch", "seq", "heads", None), "kv": ("batch", "seq", "kv_heads", None)}
@@ -346,8 +345,9 @@ class CacheSlot:
         self.cache = cache
 
 
-# id(attention) -> its CacheSlot, for the attentions decoding in this context.
-_DECODING: contextvars.ContextVar[dict[int, CacheSlot]] = contextvars.ContextVar("axcore_decoding", default={})
+# id(attention) -> its CacheSlot, for the attentions decoding in this context. Never mutated: `decoding_into`
+# sets a new dict, so the shared empty default is safe.
+_DECODING: contextvars.ContextVar[dict[int, CacheSlot]] = contextvars.ContextVar("axcore_decoding", default={})  # noqa: B039
 
 
 @contextlib.contextmanager

@@ -12,8 +12,8 @@ The forward is three named steps, public methods a subclass may override:
 
 from __future__ import annotations
 
-from typing import Annotated
 import enum
+from typing import Annotated
 
 import jax
 

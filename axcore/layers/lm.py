@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Annotated
+
 import jax
 import jax.numpy as jnp
 

@@ -1,12 +1,12 @@
 """Built-in plugin: the reference layers and the learned position embedding."""
 
-from axcore.markers import hookimpl
 from axcore.layers.attention import MultiheadAttention
 from axcore.layers.basic import Embedding, LayerNorm, Linear, RMSNorm
 from axcore.layers.feed_forward import FeedForward
 from axcore.layers.lm import CausalLM
 from axcore.layers.position import LearnedPositionEmbedding
 from axcore.layers.transformer import RepeatedTransformer, StackedTransformer, TransformerLayer
+from axcore.markers import hookimpl
 
 LAYERS = {
     "linear": Linear,

@@ -21,10 +21,11 @@ and `num_heads` (attention slots only).
 from __future__ import annotations
 
 from typing import Annotated
+
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED, Length, Width
+from axcore.config import REQUIRED, AtLeastSetting, Length, Width
 from axcore.layers.base import BaseLayer
 from axcore.params import FanAxes, ParameterSpec
 
@@ -69,7 +70,7 @@ class LearnedPositionEmbedding(PositionEmbedding):
         """Configures LearnedPositionEmbedding."""
 
         # Number of positions the table holds; longer inputs are an error.
-        max_len: Annotated[int, Length] = REQUIRED
+        max_len: Annotated[int, Length, AtLeastSetting("input.seq_len", "it holds one entry per position")] = REQUIRED
 
     def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
         cfg = self._config

@@ -20,8 +20,8 @@ like its parameters (`layer0`, ... or one `layer` tree with a leading repeats ax
 
 from __future__ import annotations
 
-from typing import Annotated
 import dataclasses
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,6 @@ from axcore.layers.basic import RMSNorm
 from axcore.layers.feed_forward import FeedForward
 from axcore.module import functional, no_context
 from axcore.params import Initializer, ParameterSpec, fold_in_name
-
 
 # Logical axes of the residual stream `[batch, seq, dim]` (its sharding constraint at layer boundaries).
 RESIDUAL_AXES = ("batch", "seq", "embed")

@@ -45,6 +45,7 @@ __getattr__, __dir__ = lazy_exports(globals(), _WHERE)
 
 if TYPE_CHECKING:
     from axcore.testing._attention import DEFAULT_CASES, AttentionCase, check_attention_kernel, numpy_attention
+    from axcore.testing._decoding import check_decoding_matches_forward
     from axcore.testing._training import TINY_OVERRIDES, load_tiny_experiment, train_steps
     from axcore.testing.conformance import (
         AttentionKernelConformance,
@@ -53,4 +54,3 @@ if TYPE_CHECKING:
         DecodingConformance,
         PositionEmbeddingConformance,
     )
-    from axcore.testing._decoding import check_decoding_matches_forward

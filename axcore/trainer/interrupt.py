@@ -106,7 +106,7 @@ def abort(run_dir: RunDirectory, backend: Any, committed: bool, resume: str, pri
     """
     try:
         latest = backend.latest_step() if backend is not None else None
-    except Exception:  # noqa: BLE001 - only for the message; the process ends either way.
+    except Exception:  # Only for the message; the process ends either way.
         latest = None
     if latest is None:
         line = "Interrupted again; nothing was saved."

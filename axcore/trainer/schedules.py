@@ -15,8 +15,8 @@ registrations against `Schedule`).
 
 from __future__ import annotations
 
-from typing import Annotated
 import enum
+from typing import Annotated
 
 import jax.numpy as jnp
 import optax

@@ -41,7 +41,7 @@ from jax.experimental import multihost_utils
 from axcore.data import Split
 from axcore.data.device_loader import DeviceLoader
 from axcore.distributed import is_primary
-from axcore.errors import AxcoreError
+from axcore.errors import AxcoreError, one_line
 from axcore.experiment import Experiment
 from axcore.observe import MultiWriter, ProgressBar
 from axcore.trainer.callbacks import SAMPLE, Callback, RunEnd, default_callbacks, sample_text
@@ -256,7 +256,7 @@ class Trainer:
             if is_primary():
                 # Anything in checkpoints/ (even an unfinished save) keeps the directory, marked FAILED.
                 committed = self._has_checkpoint()
-                print(run_dir.fail(" ".join(str(e).split()) or type(e).__name__, committed=committed), file=self.stream)
+                print(run_dir.fail(one_line(e) or type(e).__name__, committed=committed), file=self.stream)
             raise
         finally:
             run_dir.release()

@@ -134,7 +134,7 @@ class Watchdog:
 
     def _arm(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.log_path, "a", encoding="utf-8")  # noqa: SIM115  (closed by stop())
+        self._file = open(self.log_path, "a", encoding="utf-8")  # Closed by stop().
         with self._lock:
             self._rearm_backstop()
         self._thread = threading.Thread(target=self._run, name="axcore-watchdog", daemon=True)

@@ -45,9 +45,10 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
+
 from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
 from axcore.kernels.attention_sharding import attention_mesh_layout
-from jax.sharding import PartitionSpec
 
 from axcore_gpu.devices import cuda_compute_capability
 

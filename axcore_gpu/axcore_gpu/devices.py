@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
+
 from axcore.kernels import current_environment
 
 # A CUDA device's `compute_capability` attribute reads like "9.0"; ROCm devices have none of that form.

@@ -46,6 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from axcore.kernels import DotProblem, Support, unknown_extras
 from axcore.params import ParameterSpec, constant
 

@@ -41,10 +41,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from axcore.kernels import RMSNormProblem, Support, unknown_extras
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from axcore.kernels import RMSNormProblem, Support, unknown_extras
 
 # Dtypes of x the Pallas kernels take (loaded, then computed in float32).
 PALLAS_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))

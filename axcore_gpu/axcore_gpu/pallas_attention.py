@@ -58,12 +58,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
-from axcore.kernels.attention_sharding import checked_call_layout
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec
+
+from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
+from axcore.kernels.attention_sharding import checked_call_layout
 
 from axcore_gpu.cudnn_attention import mesh_layout
 from axcore_gpu.pallas_segment_ranges import visible_block_ranges

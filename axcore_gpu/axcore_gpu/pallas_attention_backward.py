@@ -23,10 +23,10 @@ from jax.experimental import pallas as pl
 
 from axcore_gpu.pallas_attention import (
     FlashConfig,
-    optional_inputs,
     dot,
     key_block_range,
     logits_and_mask,
+    optional_inputs,
     out_struct,
     query_block_range,
     split_refs,

@@ -18,7 +18,6 @@ from axcore_gpu.mesh_rules import gpu_mesh_rules
 from axcore_gpu.pallas_attention import PallasAttention
 from axcore_gpu.xla_flags import gpu_xla_flags, probe_instance_type
 
-
 # The `rms_norm` kernels (fused_norm.py) have not been timed on a GPU either: below the XLA
 # reference until they have, so they run only where forced (`kernels: {rms_norm: pallas}`).
 FUSED_VJP_NORM_PRIORITY_UNTIL_TIMED = -5

@@ -34,14 +34,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
-from axcore.kernels.attention_sharding import checked_call_layout
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
 
+from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
+from axcore.kernels.attention_sharding import checked_call_layout
+
 from axcore_tpu.sharding import mesh_layout, run_sharded
 from axcore_tpu.splash_attention import check_common, effective_window, pad_head_dim, segment_ids_with_mask
-
 
 # What `force_tpu_interpret_mode` passes as every traced pallas_call's `interpret`: True is Pallas's
 # generic interpreter (the one splash's `interpret=True` uses). Its default, TPU interpret mode

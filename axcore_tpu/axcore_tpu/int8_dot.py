@@ -41,6 +41,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from axcore.kernels import DotProblem, Support, unknown_extras
 
 INT8_MAX = 127

@@ -39,8 +39,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from axcore.config_modifiers import attention_kernel as attention_kernel_modifier
-from axcore.config_modifiers import compute_dtype
+from axcore.config_modifiers import attention_kernel as attention_kernel_modifier, compute_dtype
 from axcore.errors import ConfigError
 from axcore.mesh import MeshRule
 

@@ -33,6 +33,7 @@ import re
 from typing import Any
 
 import jax
+
 from axcore.config import get_path, walk
 from axcore.config_modifiers import Modifier, matching_configs, remat
 from axcore.errors import AxcoreError, ConfigError, NoMatchError

@@ -9,9 +9,10 @@ package does not do yet).
 
 from __future__ import annotations
 
+from jax.sharding import PartitionSpec
+
 from axcore.kernels import AttentionProblem, Support
 from axcore.kernels.attention_sharding import attention_mesh_layout, shard_count
-from jax.sharding import PartitionSpec
 
 
 def mesh_layout(problem: AttentionProblem) -> tuple[Support, tuple[PartitionSpec, PartitionSpec] | None]:

@@ -54,9 +54,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
 from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
 from axcore.kernels.attention_sharding import checked_call_layout
-from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from axcore_tpu.sharding import mesh_layout, run_sharded
 

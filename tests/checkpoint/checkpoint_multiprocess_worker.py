@@ -10,6 +10,7 @@ import os
 
 import jax
 import numpy as np
+
 from two_process_job import worker_main
 
 

@@ -13,6 +13,7 @@ import pathlib
 
 import jax
 import numpy as np
+
 from two_process_job import worker_main
 
 

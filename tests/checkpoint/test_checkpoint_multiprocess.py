@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+
 from two_process_job import run_job
 
 WORKER = Path(__file__).with_name("checkpoint_multiprocess_worker.py")

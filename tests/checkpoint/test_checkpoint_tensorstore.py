@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axcore.checkpoint import CheckpointError
-from axcore.checkpoint import tensorstore_backend as tsb
+from axcore.checkpoint import CheckpointError, tensorstore_backend as tsb
 from axcore.checkpoint.plugin import tensorstore
 
 

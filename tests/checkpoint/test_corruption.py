@@ -8,7 +8,6 @@ that `restore_verified` says so in one line and restores step 1 instead.
 import json
 import os
 import shutil
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -220,9 +219,10 @@ def test_trainer_resumes_from_the_previous_step_when_the_latest_is_corrupt(tmp_p
     import io
     import re
 
-    import tiny
     from axcore.experiment import load_experiment
     from axcore.trainer.trainer import Trainer
+
+    import tiny
 
     args = [
         *tiny.TINY,

@@ -191,9 +191,10 @@ def test_trainer_saves_the_step_again_after_setting_it_aside(tmp_path):
     import io
     import shutil
 
-    import tiny
     from axcore.experiment import load_experiment
     from axcore.trainer.trainer import Trainer
+
+    import tiny
 
     args = [
         *tiny.TINY,

@@ -7,6 +7,7 @@ renames it; the others wait for the rename), and then save the step afresh.
 from pathlib import Path
 
 import pytest
+
 from two_process_job import run_job
 
 WORKER = Path(__file__).with_name("checkpoint_set_aside_worker.py")

@@ -23,14 +23,13 @@ import typing
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from axcore import cli
-from axcore.config import REQUIRED, ConfigBase
+from axcore.config import ConfigBase
 from axcore.config.base import DType
 from axcore.config.constraints import Floating, Matches, MaxLength, Range, Size, _split
-from axcore.experiment import ExperimentConfig, load_experiment
+from axcore.experiment import load_experiment
 
 # Bad configs per test; the two tests together run more than 1,000 (the floor).
 BAD_CONFIG_EXAMPLES = int(os.environ.get("AXCORE_BAD_CONFIGS", 520))

@@ -115,7 +115,7 @@ def test_every_size_field_past_its_bounds_is_one_line_in_bounded_memory():
     argvs = [["config", "default", "--set", f"{path}={value}", *[a for o in extra for a in ("--set", o)]]
              for extra, path, value, _ in cases]
     report = _run_worker([["config", "default", "--set", "model.dim=0"], *argvs])
-    for (extra, path, value, size), result in zip(cases, report["results"][1:]):
+    for (_, path, value, size), result in zip(cases, report["results"][1:]):
         _assert_one_line(result, path, f"got {value}", f"from {size.minimum} to {size.limit}")
     assert report["maxrss_growth_kb"] < MAX_GROWTH_KB, report["maxrss_growth_kb"]
 

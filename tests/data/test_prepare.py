@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from axcore.cli import main
-from axcore.data import DataError
-from axcore.data import prepare as prepare_module
+from axcore.data import DataError, prepare as prepare_module
 from axcore.data.prepare import plan_units, prepare
 from axcore.data.shards import PreparedShards
 

@@ -11,8 +11,9 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from axcore.kernels import AttentionProblem, XlaAttention
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from axcore.kernels import AttentionProblem, XlaAttention
 
 from axcore_gpu import CudnnAttention, mesh_layout
 

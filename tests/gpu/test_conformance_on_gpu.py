@@ -9,6 +9,7 @@ GQA, sliding windows, padding, a 200-token case past the tile sizes) and segment
 
 import jax
 import pytest
+
 from axcore.testing import AttentionKernelConformance
 
 from axcore_gpu.cudnn_attention import CudnnAttention

@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh, PartitionSpec
+
 from axcore.kernels import ATTENTION, AttentionProblem, XlaAttention
 from axcore.plugins import create_plugin_manager
-from jax.sharding import AbstractMesh, PartitionSpec
 
 import axcore_gpu.plugin
 from axcore_gpu import CudnnAttention, cuda_compute_capability, dot_product_attention_arguments

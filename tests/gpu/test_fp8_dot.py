@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+
 from axcore.data import Split
 from axcore.experiment import load_experiment
 from axcore.kernels import dot_problem, record_kernel_choices
@@ -171,7 +172,7 @@ def test_delayed_scaling_uses_the_history_before_each_step_and_rolls_it():
         rng = np.random.default_rng(step)
         g = rng.standard_normal((*xs.shape[:-1], 48)).astype(np.float32) * 10.0 ** -step
 
-        def loss(x_, w_, g_history):
+        def loss(x_, w_, g_history, state=state, g=g):  # This step's state and g, bound here.
             y, new = kernel(problem, x_, w_, state=dict(state, g_amax_history=g_history))
             return jnp.sum(y * g), (y, new)  # dL/dy = g exactly.
 

@@ -13,17 +13,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from axcore.experiment import load_experiment
-from axcore.kernels import RMSNormProblem, record_kernel_choices, rms_norm_problem
 from jax.sharding import AbstractMesh
 
 import axcore
+from axcore.experiment import load_experiment
+from axcore.kernels import RMSNormProblem, record_kernel_choices, rms_norm_problem
+
 import axcore_gpu.plugin
 from axcore_gpu.fused_norm import MAX_DIM, FusedVjpRMSNorm, PallasRMSNorm
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "kernels"))
-from test_rms_norm import CASES, EPS, check_against_numpy  # noqa: E402  (the op's oracle, one copy)
-from tiny import TINY, train_steps  # noqa: E402
+from test_rms_norm import CASES, EPS, check_against_numpy  # The op's oracle, one copy
+
+from tiny import TINY, train_steps
 
 BF16 = np.dtype(jnp.bfloat16)
 

@@ -6,9 +6,9 @@ import subprocess
 import sys
 import tomllib
 
-import jax
 import numpy as np
 import pytest
+
 from axcore.cli import main
 from axcore.errors import ConfigError
 from axcore.experiment import ExperimentConfig, load_experiment

@@ -4,8 +4,9 @@ import os
 import subprocess
 import sys
 
-import axcore.experiment
 import pytest
+
+import axcore.experiment
 from axcore.experiment import load_experiment
 
 import axcore_gpu.plugin

@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh, PartitionSpec
+
 from axcore.kernels import ATTENTION, AttentionProblem, KernelRegistry, XlaAttention
 from axcore.registry import Provenance
-from jax.sharding import AbstractMesh, PartitionSpec
 
 from axcore_gpu.cudnn_attention import CudnnAttention
 from axcore_gpu.pallas_attention import PallasAttention

@@ -29,12 +29,13 @@ import numpy as np
 import pytest
 
 import axcore
+from axcore.config import replace
 from axcore.data import DataError
 from axcore.data.schema import BATCH_SCHEMA
 from axcore.kernels import AttentionProblem, XlaAttention, record_kernel_choices
-from axcore.config import replace
 from axcore.layers import CausalLM, MultiheadAttention, RepeatedTransformer
 from axcore.module import no_context
+
 from axcore_alibi.layer import AlibiBias
 from axcore_rope import RotaryEmbedding
 

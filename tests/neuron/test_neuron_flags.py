@@ -2,8 +2,9 @@
 
 import os
 
-import axcore.experiment
 import pytest
+
+import axcore.experiment
 from axcore.experiment import load_experiment
 
 import axcore_neuron.instance_types as instance_types

@@ -9,6 +9,7 @@ import tomllib
 
 import numpy as np
 import pytest
+
 from axcore.cli import main
 from axcore.config_modifiers import build_modifier
 from axcore.errors import ConfigError, NoMatchError

@@ -47,7 +47,7 @@ def test_jsonl_round_trip_with_keys_at_some_steps(tmp_path):
 
     records = read_jsonl_metrics(path)
     assert [r["step"] for r in records] == [s for s, _ in STEPS]
-    for record, (step, metrics) in zip(records, STEPS):
+    for record, (_, metrics) in zip(records, STEPS):
         assert set(record) == {"step", "time", *metrics}
         assert {k: record[k] for k in metrics} == metrics
         assert isinstance(record["time"], float) and record["time"] > 1.6e9

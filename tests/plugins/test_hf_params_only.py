@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from axcore.run_loading import load_model  # noqa: E402
+
 from axcore_hf import hf_to_axcore  # noqa: E402
 
 TINY = dict(vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -7,12 +7,12 @@ import pytest
 from axcore.config import find
 from axcore.errors import ConfigError, PluginConflictError
 from axcore.experiment import load_experiment
-from axcore.layers import Activation, FeedForward, LearnedPositionEmbedding, MultiheadAttention
-from axcore.layers import RepeatedTransformer
+from axcore.layers import Activation, FeedForward, LearnedPositionEmbedding, MultiheadAttention, RepeatedTransformer
+
 from axcore_alibi import AlibiBias
 from axcore_swiglu import GatedFeedForward
-from tiny import TINY, train_steps
 
+from tiny import TINY, train_steps
 
 
 def _swiglu_everywhere(config):

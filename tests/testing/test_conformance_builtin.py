@@ -1,17 +1,22 @@
 """axcore's own components run the conformance suites that plugin authors run (axcore.testing)."""
 
-from axcore.config import get_path
 from axcore.kernels import XlaAttention
-from axcore.layers import FeedForward, LearnedPositionEmbedding, MultiheadAttention, RepeatedTransformer, StackedTransformer
+from axcore.layers import (
+    FeedForward,
+    LearnedPositionEmbedding,
+    MultiheadAttention,
+    RepeatedTransformer,
+    StackedTransformer,
+)
 from axcore.testing import (
     AttentionKernelConformance,
     CheckpointBackendConformance,
     ConfigTransformConformance,
     PositionEmbeddingConformance,
 )
+
 from axcore_alibi import AlibiBias
 from axcore_rope.rotary import RotaryEmbedding
-from axcore_swiglu.layer import GatedFeedForward
 
 # -- attention kernels registered here (the GPU/TPU Pallas ones: tests/gpu, tests/tpu) ---
 

@@ -12,8 +12,15 @@ from axcore.config import replace
 from axcore.experiment import load_experiment
 from axcore.kernels import SUPPORTED, Support, XlaAttention
 from axcore.layers import FeedForward, LearnedPositionEmbedding, MultiheadAttention, PositionEmbedding
-from axcore.testing import DEFAULT_CASES, TINY_OVERRIDES, AttentionCase, check_attention_kernel
-from axcore.testing import _checkpoint, _position, _transform
+from axcore.testing import (
+    DEFAULT_CASES,
+    TINY_OVERRIDES,
+    AttentionCase,
+    _checkpoint,
+    _position,
+    _transform,
+    check_attention_kernel,
+)
 from axcore.testing._attention import check_case, check_declines_unknown_extras
 
 pytest_plugins = ["pytester"]

@@ -12,8 +12,9 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-from axcore.kernels import AttentionProblem, XlaAttention
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from axcore.kernels import AttentionProblem, XlaAttention
 
 from axcore_tpu.flash_attention import PallasTpuAttention
 from axcore_tpu.splash_attention import SplashAttention

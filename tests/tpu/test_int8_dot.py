@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from axcore.data import Split
 from axcore.experiment import load_experiment
 from axcore.kernels import dot_problem, record_kernel_choices

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh, PartitionSpec
+
 from axcore.kernels import (
     ATTENTION,
     AttentionProblem,
@@ -29,7 +31,6 @@ from axcore.kernels import (
     sliding_window_mask,
 )
 from axcore.registry import Provenance
-from jax.sharding import AbstractMesh, PartitionSpec
 
 from axcore_tpu.flash_attention import PallasTpuAttention
 from axcore_tpu.splash_attention import SplashAttention, segment_ids_with_mask, splash_mask

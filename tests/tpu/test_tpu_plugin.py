@@ -7,11 +7,12 @@ import subprocess
 import sys
 import tomllib
 
-import axcore
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import axcore
 from axcore.cli import main
 from axcore.data import Split
 from axcore.errors import ConfigError

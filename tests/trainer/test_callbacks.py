@@ -6,6 +6,7 @@ import numpy as np
 from axcore.experiment import load_experiment
 from axcore.trainer.callbacks import LossPlot, Sample
 from axcore.trainer.trainer import Trainer
+
 import tiny
 
 RUN = [*tiny.TINY, "trainer.max_steps=2", "trainer.eval_every=0", "trainer.sample.num_tokens=4",

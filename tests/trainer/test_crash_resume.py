@@ -51,10 +51,11 @@ import jax
 import numpy as np
 import pytest
 
-import tiny
 from axcore.experiment import load_experiment
 from axcore.observe import read_jsonl_metrics
 from axcore.trainer.trainer import Trainer
+
+import tiny
 
 pytestmark = pytest.mark.slow
 

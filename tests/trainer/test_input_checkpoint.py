@@ -4,7 +4,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axcore.data import BATCH_SCHEMA, DataError, EmbeddedCorpus, InputConfig, MixtureComponent, Packing, Split, TextFiles
+from axcore.data import (
+    BATCH_SCHEMA,
+    DataError,
+    EmbeddedCorpus,
+    InputConfig,
+    MixtureComponent,
+    Packing,
+    Split,
+    TextFiles,
+)
 from axcore.data.device_loader import ShardLayout
 from axcore.plugins import builtin_registries
 from axcore.trainer.inputs import merge_input_states, restore_input_state

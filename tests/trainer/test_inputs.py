@@ -6,13 +6,14 @@ import os
 
 import pytest
 
-import tiny
 from axcore import cli
 from axcore.data import DataError
 from axcore.experiment import load_experiment
 from axcore.layers import CausalLM
 from axcore.trainer.inputs import DataWaitMeter
 from axcore.trainer.trainer import Trainer
+
+import tiny
 
 
 def test_data_wait_is_per_step_and_a_share_of_the_step_and_warns_once_after_the_first_interval():

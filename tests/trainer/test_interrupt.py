@@ -14,10 +14,10 @@ import signal
 import subprocess
 import sys
 
-import tiny
-
 from axcore.checkpoint import OrbaxBackend
 from axcore.trainer.run_dir import FAILED_FILE, INTERRUPTED_FILE
+
+import tiny
 
 # Seconds a training subprocess may take before it is killed.
 PROCESS_TIMEOUT = 240

@@ -4,12 +4,13 @@ computes the full batch's step, up to float32 rounding, and each device keeps it
 import jax
 import numpy as np
 import pytest
-import tiny
 
 from axcore.data import Split
 from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
 from axcore.trainer.trainer import Trainer
+
+import tiny
 
 STEPS = 3
 # Relative difference of losses and parameters allowed against the whole-batch step (float32 sums

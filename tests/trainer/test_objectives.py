@@ -22,6 +22,7 @@ from axcore.experiment import load_experiment
 from axcore.observe.writers import read_jsonl_metrics
 from axcore.trainer import Objective, ObjectiveOutput
 from axcore.trainer.trainer import Trainer
+
 import tiny
 
 Z_WEIGHT = 0.1
@@ -148,7 +149,7 @@ def test_the_docs_objective_plugin_computes_its_formula():
     docs = (pathlib.Path(__file__).parents[2] / "docs" / "writing-a-plugin.md").read_text()
     [source] = [b for b in re.findall(r"```python\n(.*?)```", docs, re.S) if b.startswith("# axcore_xent_z.py")]
     plugin = types.ModuleType("axcore_xent_z")
-    exec(compile(source, "<docs axcore_xent_z>", "exec"), plugin.__dict__)  # noqa: S102 - our own docs' code.
+    exec(compile(source, "<docs axcore_xent_z>", "exec"), plugin.__dict__)  # Our own docs' code.
     exp = load_experiment(None, [*tiny.TINY, "plugins=[xent_z]", "trainer.objective.type=xent_z"],
                           objects={"xent_z": plugin})
     model = exp.config.model.instantiate(name="model", registries=exp.registries)

@@ -19,6 +19,7 @@ from axcore.experiment import load_experiment
 from axcore.kernels import SUPPORTED, reference_dot
 from axcore.params import ParameterSpec, constant
 from axcore.trainer.trainer import Trainer
+
 import tiny
 
 HISTORY = 3

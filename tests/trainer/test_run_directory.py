@@ -22,7 +22,6 @@ import time
 import jax
 import numpy as np
 import pytest
-import tiny
 
 from axcore import cli
 from axcore.checkpoint import OrbaxBackend
@@ -30,6 +29,8 @@ from axcore.experiment import load_experiment
 from axcore.observe.writers import drop_records_after, read_jsonl_metrics
 from axcore.trainer.run_dir import FAILED_FILE, LOCK_FILE, RunDirectory, RunDirectoryError
 from axcore.trainer.trainer import Trainer
+
+import tiny
 
 # Seconds a training subprocess may take before it is killed.
 PROCESS_TIMEOUT = 180

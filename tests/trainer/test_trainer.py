@@ -16,6 +16,7 @@ from axcore.kernels import SUPPORTED, reference_dot
 from axcore.observe import read_jsonl_metrics
 from axcore.params import ParameterSpec, constant
 from axcore.trainer.trainer import NonFiniteLossError, Trainer
+
 import tiny
 
 TINY = [*tiny.TINY, "trainer.eval_batches=2", "trainer.sample.num_tokens=8", "trainer.learner.schedule.warmup_steps=2"]

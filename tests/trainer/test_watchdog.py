@@ -12,10 +12,11 @@ import time
 
 import pytest
 
-import tiny
 from axcore.errors import ConfigError
 from axcore.observe import read_jsonl_metrics
 from axcore.trainer.watchdog import EXIT_HANG, Watchdog
+
+import tiny
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from axcore import hookimpl
 from axcore.config import remove, replace
 from axcore.layers import LearnedPositionEmbedding, MultiheadAttention
+
 from axcore_alibi.layer import AlibiBias
 
 

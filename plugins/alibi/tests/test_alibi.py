@@ -8,9 +8,10 @@ import axcore
 from axcore.config import find, from_yaml
 from axcore.experiment import load_experiment
 from axcore.layers import LearnedPositionEmbedding, MultiheadAttention
-from axcore_alibi import AlibiBias, alibi_slopes
-from tiny import TINY, train_steps
 
+from axcore_alibi import AlibiBias, alibi_slopes
+
+from tiny import TINY, train_steps
 
 
 def test_slopes_for_a_power_of_two_number_of_heads():

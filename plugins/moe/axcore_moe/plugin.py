@@ -15,10 +15,12 @@ carried over, so e.g. swiglu's gated feed-forward gives SwiGLU experts):
 from __future__ import annotations
 
 from typing import Annotated
-from axcore.config import Depth, NonNegative, Positive, Width, get_path, is_config_of, replace
+
 from axcore import REQUIRED, ConfigBase, hookimpl
+from axcore.config import Depth, NonNegative, Positive, Width, get_path, is_config_of, replace
 from axcore.errors import ConfigError
 from axcore.layers import RepeatedTransformer, StackedTransformer
+
 from axcore_moe.layer import MixtureOfExperts
 
 

@@ -10,6 +10,7 @@ from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
 from axcore.observe import read_jsonl_metrics
 from axcore.trainer.trainer import Trainer
+
 import tiny
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[3] / "tests" / "golden"

@@ -10,6 +10,7 @@ import pytest
 import axcore
 from axcore.errors import ConfigError
 from axcore.layers import Activation, CausalLM, FeedForward
+
 from axcore_moe import MixtureOfExperts
 
 D, H = 8, 16

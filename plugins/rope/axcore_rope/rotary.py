@@ -36,9 +36,9 @@ float32; q and k come back in their input dtype.
 
 from __future__ import annotations
 
-from typing import Annotated
 import enum
 import math
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp

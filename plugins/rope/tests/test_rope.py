@@ -15,6 +15,7 @@ import pytest
 import axcore
 from axcore.config import from_yaml, to_yaml
 from axcore.errors import ConfigError
+
 from axcore_rope import RotaryEmbedding, Scaling, rotary_frequencies
 from axcore_rope.rotary import yarn_mscale
 

@@ -28,7 +28,9 @@ from axcore.layers import (
 )
 from axcore.params import ParameterSpec
 from axcore.trainer.trainer import Trainer
+
 from axcore_rope import RotaryEmbedding, plugin
+
 import tiny
 
 REPO = pathlib.Path(__file__).resolve().parents[3]

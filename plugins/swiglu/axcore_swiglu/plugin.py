@@ -18,13 +18,14 @@ hidden 1024, 2/3 -> 704.) Left None, `hidden_dim` is kept as configured.
 
 from __future__ import annotations
 
-from typing import Annotated
 import math
+from typing import Annotated
 
-from axcore.config import Positive, Width, is_config_of, replace
 from axcore import REQUIRED, ConfigBase, hookimpl
+from axcore.config import Positive, Width, is_config_of, replace
 from axcore.errors import ConfigError
 from axcore.layers import Activation, FeedForward
+
 from axcore_swiglu.layer import GatedFeedForward
 
 

@@ -10,7 +10,9 @@ from axcore.config import find
 from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
 from axcore.layers import Activation, CausalLM, FeedForward, Linear
+
 from axcore_swiglu import GatedFeedForward, gated_hidden_dim
+
 from numpy_ref import NP_ACTIVATIONS
 from tiny import TINY, train_steps
 

@@ -14,6 +14,7 @@ import os
 
 from axcore import hookimpl
 from axcore.config import is_config_of
+
 from axcore_tokenizers.tokenizer import HFTokenizer
 
 # Registered tokenizer name (`tokenizer: {type: hf}`).

@@ -11,7 +11,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 pytest.importorskip("axcore_tokenizers")
-from axcore_tokenizers import HFTokenizer, TokenizerFileError  # noqa: E402
+from axcore_tokenizers import HFTokenizer, TokenizerFileError
 
 TEXT = "The quick brown fox jumps over the lazy dog.\n\n  Naïve café 🚀 über   spaces <|im_end|>\nend"
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -103,6 +103,6 @@ def test_chat_template_and_special_tokens_from_the_model_directory(tmp_path):
     assert _hf(jinja_dir).chat_template == "new {{ y }}"
     no_default = _hf(_build(tmp_path / "nodefault", config={"chat_template": [{"name": "rag", "template": "r"}]}))
     with pytest.raises(TokenizerFileError, match=r"lists templates \['rag'\] but none named \"default\""):
-        no_default.chat_template
+        _ = no_default.chat_template
     with pytest.raises(TokenizerFileError, match="chat_template is a int"):
-        _hf(_build(tmp_path / "int", config={"chat_template": 3})).chat_template
+        _ = _hf(_build(tmp_path / "int", config={"chat_template": 3})).chat_template

@@ -16,10 +16,11 @@ import axcore
 from axcore.cli import main
 from axcore.data import Split
 from axcore.trainer import trainer as trainer_module
+
 import tiny
 
 pytest.importorskip("axcore_tokenizers")
-from axcore_tokenizers import HFTokenizer, TokenizerFileError  # noqa: E402
+from axcore_tokenizers import HFTokenizer, TokenizerFileError
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",

@@ -1,0 +1,41 @@
+"""The core's layer contracts (`[tool.importlinter]` in pyproject.toml), checked by import-linter.
+
+The contracts say which of axcore's modules may import which: lower layers never import
+higher ones, and no packages or modules import each other in a cycle (with the few
+package-level cycles the package re-layout removes listed by name). A deliberately
+upward import in a copy of the package must break them, so the passing run cannot be
+vacuous.
+"""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _lint_imports(cwd: pathlib.Path, package_parent: pathlib.Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(package_parent), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())",
+         "--no-cache"], cwd=cwd, env=env,
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+
+
+def test_the_layer_contracts_hold():
+    proc = _lint_imports(ROOT, ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "0 broken" in proc.stdout and "KEPT" in proc.stdout
+
+
+def test_an_upward_import_breaks_them(tmp_path):
+    shutil.copytree(ROOT / "axcore", tmp_path / "axcore", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    errors = tmp_path / "axcore" / "errors.py"
+    errors.write_text(errors.read_text() + "\n\ndef _late():\n    import axcore.cli  # An upward import.\n")
+    proc = _lint_imports(tmp_path, tmp_path)
+    assert proc.returncode != 0, proc.stdout[-4000:]
+    assert "axcore.errors is not allowed to import axcore.cli" in proc.stdout, proc.stdout[-4000:]
