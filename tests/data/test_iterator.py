@@ -12,11 +12,16 @@ from axcore.data.iterator import ChainDataset, DocumentStream, EpochOrder
 
 
 def test_epoch_order_reshuffles_every_epoch_with_the_seed():
-    docs = np.array([10, 11, 12, 13, 14])
+    docs = np.arange(10, 30)
     order = EpochOrder(docs, seed=3, shuffle=True)
-    for epoch in range(3):
-        want = docs[np.random.default_rng([3, epoch]).permutation(5)]
-        assert [order[epoch * 5 + j] for j in range(5)] == list(want)
+    epochs = [[order[epoch * 20 + j] for j in range(20)] for epoch in range(3)]
+    assert all(sorted(e) == list(docs) for e in epochs)  # Each epoch visits every document once.
+    assert len({tuple(e) for e in epochs}) == 3 and epochs[0] != list(docs)  # Reshuffled, not the file order.
+    again = EpochOrder(docs, seed=3, shuffle=True)
+    assert [again[i] for i in range(60)] == sum(epochs, [])  # The seed decides the order.
+    other = EpochOrder(docs, seed=4, shuffle=True)
+    assert [other[i] for i in range(20)] != epochs[0]
+    docs = np.array([10, 11, 12, 13, 14])
     assert [EpochOrder(docs, seed=3, shuffle=False)[i] for i in range(7)] == [10, 11, 12, 13, 14, 10, 11]
 
 

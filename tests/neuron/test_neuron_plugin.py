@@ -48,7 +48,6 @@ def test_distribution_declares_the_neuron_entry_point_and_no_neuron_sdk():
     assert not any("neuron" in d for d in project["dependencies"])  # Installs without AWS's index.
     readme = (PACKAGE_ROOT / "README.md").read_text()
     assert "No NKI kernel yet" in readme and "pip.repos.neuron.amazonaws.com" in readme
-    assert (PACKAGE_ROOT / "axcore_neuron" / "py.typed").is_file()
 
 
 def test_import_probe_and_neuron_resolution_start_no_backend():
