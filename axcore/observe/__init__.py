@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from axcore._lazy import lazy_exports
 from axcore.observe.plot import plot_loss_curve
-from axcore.observe.progress import ProgressBar, format_duration
+from axcore.observe.progress import ProgressLog, format_duration
 from axcore.observe.writers import (
     JsonlWriter,
     MetricsError,
@@ -34,7 +34,7 @@ __all__ = [
     "MetricsWriter",
     "MetricsWriterFactory",
     "MultiWriter",
-    "ProgressBar",
+    "ProgressLog",
     "TensorBoardWriter",
     "TensorBoardWriterFactory",
     "format_duration",

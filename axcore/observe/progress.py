@@ -1,27 +1,24 @@
-"""A progress display for the training loop: one live line on a terminal, log lines elsewhere.
+"""Training progress as log lines: one line per metrics fetch.
 
-    bar = ProgressBar(total_steps=300, start_step=restored_step)
+    progress = ProgressLog(total_steps=300, start_step=restored_step, log_every=10)
     for step in range(restored_step + 1, 301):
         ...
-        bar.update(step, loss, tokens_per_sec, step_time)
-    bar.close()
+        progress.update(step, loss, tokens_per_sec, step_time)
+    progress.close()
 
-gives, on a terminal, one line rewritten in place (at most ~10 times a second):
+writes, every `log_every` steps and at the last one (the loop reads metrics back from
+the device only then, so there is nothing newer to show in between):
 
     step 120/300 | loss 2.513 | 10.9k tok/s | 0.19 s/step | ETA 0:00:34
 
-and, when the stream is not a terminal (a log file, CI), that same text as a plain
-line every `log_every` steps and at the last step.
+The same lines on a terminal, in a log file and in CI: no line redrawn in place, so
+output captured from a run reads as it was shown.
 """
-
 from __future__ import annotations
 
-import os
 import statistics
 import sys
-import time
 from collections import deque
-from collections.abc import Callable
 from typing import TextIO
 
 
@@ -48,41 +45,27 @@ def format_step_time(seconds: float) -> str:
     return f"{seconds:.2f} s/step"
 
 
-class ProgressBar:
-    """Shows training progress: step/total, loss, tokens/s, step time and ETA.
+class ProgressLog:
+    """Writes training progress: step/total, loss, tokens/s, step time and ETA, one line each.
 
-    `update(step, ...)` takes the number of steps completed so far (the step
-    counter after the update), so the last update of a run has
-    `step == total_steps`. A resumed run passes `start_step` (the restored step)
-    and its first update is `start_step + 1`.
-
-    On a terminal (`stream.isatty()`) one line is redrawn with `'\\r'`, at most once
-    per `min_redraw_interval` seconds plus always at the last step; `close()`
-    ends the line. Otherwise a line is written when `step % log_every == 0` and at
-    the last step. The ETA is the median of the last `window` step times (robust to
-    the slow first, compiling step) times the steps left.
+    `update(step, ...)` takes the number of steps completed so far (the step counter
+    after the update), so the last update of a run has `step == total_steps`. A
+    resumed run passes `start_step` (the restored step) and its first update is
+    `start_step + 1`. A line is written when `step % log_every == 0` and at the last
+    step; `close()` writes the latest status if no line showed it. The ETA is the
+    median of the last `window` step times (robust to the slow first, compiling step)
+    times the steps left.
 
     Args:
         total_steps: the step count at which training ends.
         stream: where to write; `None` means `sys.stderr` at construction time.
-        log_every: steps between log lines when `stream` is not a terminal.
+        log_every: steps between lines.
         start_step: the step training starts from (0, or the restored step).
         window: how many recent step times the ETA's median is taken over.
-        min_redraw_interval: seconds between redraws on a terminal.
-        clock: monotonic clock for the redraw throttle (tests pass a fake one).
     """
 
-    def __init__(
-        self,
-        total_steps: int,
-        stream: TextIO | None = None,
-        log_every: int = 10,
-        start_step: int = 0,
-        *,
-        window: int = 20,
-        min_redraw_interval: float = 0.1,
-        clock: Callable[[], float] = time.monotonic,
-    ):
+    def __init__(self, total_steps: int, stream: TextIO | None = None, log_every: int = 10, start_step: int = 0,
+                 *, window: int = 20):
         if total_steps < 0 or not 0 <= start_step <= total_steps:
             raise ValueError(
                 f"need 0 <= start_step <= total_steps, got start_step={start_step}, "
@@ -96,13 +79,8 @@ class ProgressBar:
         self.stream = sys.stderr if stream is None else stream
         self.log_every = log_every
         self.start_step = start_step
-        self.min_redraw_interval = min_redraw_interval
-        self._clock = clock
         self._step_times: deque[float] = deque(maxlen=window)
-        self._isatty = _isatty(self.stream)
-        self._last_draw: float | None = None
-        self._drawn_width = 0  # length of the line now on screen (terminal mode)
-        self._pending: str | None = None  # latest status not yet shown
+        self._pending: str | None = None  # The latest status no line showed yet.
         self._closed = False
 
     def eta_seconds(self, step: int) -> float | None:
@@ -126,13 +104,13 @@ class ProgressBar:
 
     def update(self, step: int, loss: float | None, tokens_per_sec: float | None,
                step_time: float | None) -> None:
-        """Records one completed step (see the class docstring) and redraws or logs.
+        """Records one completed step (see the class docstring) and writes its line when due.
 
-        `loss` and `tokens_per_sec` may be None when not known at this step
-        (shown as '-'); `step_time` is the seconds this step took, or None.
+        `loss` and `tokens_per_sec` may be None when not known at this step (shown as
+        '-'); `step_time` is the seconds this step took, or None.
         """
         if self._closed:
-            raise ValueError("ProgressBar.update() after close()")
+            raise ValueError("ProgressLog.update() after close()")
         if step_time is not None:
             self._step_times.append(float(step_time))
         line = self.format_line(
@@ -141,67 +119,26 @@ class ProgressBar:
             None if tokens_per_sec is None else float(tokens_per_sec),
             None if step_time is None else float(step_time),
         )
-        last = step >= self.total_steps
-        if self._isatty:
-            now = self._clock()
-            due = self._last_draw is None or now - self._last_draw >= self.min_redraw_interval
-            if due or last:
-                self._redraw(line)
-                self._last_draw = now
-            else:
-                self._pending = line
-        elif step % self.log_every == 0 or last:
-            self._log(line)
+        if step % self.log_every == 0 or step >= self.total_steps:
+            self._write(line)
         else:
             self._pending = line
 
     def close(self) -> None:
-        """Shows the latest status if it was not shown yet and ends the terminal line."""
+        """Writes the latest status if no line showed it yet."""
         if self._closed:
             return
         self._closed = True
-        if self._isatty:
-            if self._pending is not None:
-                self._redraw(self._pending)
-            if self._drawn_width:
-                self.stream.write("\n")
-                self.stream.flush()
-        elif self._pending is not None:
-            self._log(self._pending)
+        if self._pending is not None:
+            self._write(self._pending)
 
-    def __enter__(self) -> ProgressBar:
+    def __enter__(self) -> ProgressLog:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _redraw(self, line: str) -> None:
-        width = _terminal_width(self.stream)
-        if width is not None and len(line) >= width:
-            line = line[: max(0, width - 1)]  # a wrapped line cannot be redrawn with '\r'
-        padding = " " * max(0, self._drawn_width - len(line))  # wipe a longer previous line
-        self.stream.write("\r" + line + padding)
-        self.stream.flush()
-        self._drawn_width = len(line)
-        self._pending = None
-
-    def _log(self, line: str) -> None:
+    def _write(self, line: str) -> None:
         self.stream.write(line + "\n")
         self.stream.flush()
         self._pending = None
-
-
-def _isatty(stream: TextIO) -> bool:
-    isatty = getattr(stream, "isatty", None)
-    try:
-        return bool(isatty()) if isatty is not None else False
-    except ValueError:  # a closed stream
-        return False
-
-
-def _terminal_width(stream: TextIO) -> int | None:
-    """The terminal's column count, or None when the stream is no real terminal."""
-    try:
-        return os.get_terminal_size(stream.fileno()).columns
-    except (AttributeError, OSError, ValueError):
-        return None

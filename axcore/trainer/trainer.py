@@ -43,7 +43,7 @@ from axcore.data.device_loader import DeviceLoader
 from axcore.distributed import is_primary
 from axcore.errors import AxcoreError, one_line
 from axcore.experiment import Experiment
-from axcore.observe import MultiWriter, ProgressBar
+from axcore.observe import MultiWriter, ProgressLog
 from axcore.trainer.callbacks import SAMPLE, Callback, RunEnd, default_callbacks, sample_text
 from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.evaluate import EvalTotals
@@ -321,7 +321,7 @@ class Trainer:
             loader = DeviceLoader(train_pipeline, self.batch_sharding, shape, local_rows=layout.local_rows,
                                   where="The training batch")
             data_wait = DataWaitMeter(self.stream)
-            progress = ProgressBar(tcfg.max_steps, stream=self.stream, log_every=tcfg.log_every, start_step=start)
+            progress = ProgressLog(tcfg.max_steps, stream=self.stream, log_every=tcfg.log_every, start_step=start)
             tokens_per_step = self.cfg.input.batch_size * self.cfg.input.seq_len
             train_loss = eval_loss = None
             # Loss and gradient norm (on the device) of each step since the last fetch.

@@ -1,11 +1,10 @@
-"""ProgressBar: live '\\r' line on a terminal, plain log lines elsewhere, ETA."""
+"""ProgressLog: one line per metrics fetch (terminal or not), ETA."""
 
 import io
-import re
 
 import pytest
 
-from axcore.observe import ProgressBar, format_duration
+from axcore.observe import ProgressLog, format_duration
 
 
 class FakeTTY(io.StringIO):
@@ -13,14 +12,6 @@ class FakeTTY(io.StringIO):
 
     def isatty(self):
         return True
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 def test_format_duration():
@@ -31,52 +22,36 @@ def test_format_duration():
 
 
 def test_eta_from_a_known_step_time():
-    bar = ProgressBar(total_steps=200, stream=io.StringIO())
+    bar = ProgressLog(total_steps=200, stream=io.StringIO())
     bar.update(100, loss=2.0, tokens_per_sec=1000.0, step_time=0.5)
     assert bar.eta_seconds(100) == pytest.approx(50.0)
     assert "ETA 0:00:50" in bar.format_line(100, 2.0, 1000.0, 0.5)
 
 
 def test_eta_uses_the_median_so_a_slow_compile_step_does_not_skew_it():
-    bar = ProgressBar(total_steps=110, stream=io.StringIO(), window=5)
+    bar = ProgressLog(total_steps=110, stream=io.StringIO(), window=5)
     for step, step_time in enumerate([30.0, 0.5, 0.5, 0.5, 0.5], start=1):
         bar.update(step, 2.0, 1000.0, step_time)
     assert bar.eta_seconds(10) == pytest.approx(0.5 * 100)
 
 
-def test_tty_mode_rewrites_one_line_and_throttles():
-    stream, clock = FakeTTY(), FakeClock()
-    bar = ProgressBar(total_steps=300, stream=stream, start_step=100, clock=clock)
-    for step in range(101, 301):
-        clock.now += 0.01  # 100 updates a second: ~10 redraws a second get through
-        bar.update(step, loss=2.51349, tokens_per_sec=10_900.0, step_time=0.19)
-    bar.close()
-    out = stream.getvalue()
-    assert out.startswith("\r") and out.endswith("\n") and out.count("\n") == 1
-    frames = out.rstrip("\n").split("\r")[1:]
-    assert 15 <= len(frames) <= 25  # 2 s of updates at <= 10 redraws/s, plus the last
-    assert frames[0].startswith("step 101/300 | loss 2.513 | 10.9k tok/s | 0.19 s/step | ETA 0:00:38")
-    assert frames[-1].rstrip() == "step 300/300 | loss 2.513 | 10.9k tok/s | 0.19 s/step | ETA 0:00:00"
-    for frame in frames:
-        assert re.fullmatch(r"step \d+/300 \| loss \S+ \| \S+ tok/s \| \S+ s/step \| ETA \d+:\d\d:\d\d *", frame)
+def test_a_terminal_gets_the_same_lines_as_a_log_file():
+    lines = {}
+    for kind, stream in (("terminal", FakeTTY()), ("file", io.StringIO())):
+        progress = ProgressLog(total_steps=30, stream=stream, log_every=10)
+        for step in range(1, 31):
+            progress.update(step, loss=2.51349, tokens_per_sec=10_900.0, step_time=0.19)
+        progress.close()
+        lines[kind] = stream.getvalue()
+    assert "\r" not in lines["terminal"] and lines["terminal"] == lines["file"]
+    assert lines["file"].splitlines() == [
+        f"step {n}/30 | loss 2.513 | 10.9k tok/s | 0.19 s/step | ETA 0:00:{round(0.19 * (30 - n)):02d}" for n in (10, 20, 30)
+    ]
 
 
-def test_tty_close_shows_a_throttled_final_status_and_pads_shorter_lines():
-    stream, clock = FakeTTY(), FakeClock()
-    bar = ProgressBar(total_steps=1000, stream=stream, clock=clock)
-    bar.update(1, 123.456, 2.5e6, 12.0)  # drawn
-    bar.update(2, 1.5, 950.0, 0.004)  # within 0.1 s: held back
-    assert "step 2/" not in stream.getvalue()
-    bar.close()  # run stopped early: the latest status is still shown
-    frames = stream.getvalue().rstrip("\n").split("\r")[1:]
-    assert frames[0] == "step 1/1000 | loss 123.5 | 2.5M tok/s | 12.00 s/step | ETA 3:19:48"
-    assert frames[1].startswith("step 2/1000 | loss 1.5 | 950 tok/s | 4.00 ms/step | ETA")
-    assert len(frames[1]) == len(frames[0])  # padded to wipe the longer previous line
-
-
-def test_non_tty_mode_logs_every_log_every_steps_and_the_last():
+def test_logs_every_log_every_steps_and_the_last():
     stream = io.StringIO()
-    bar = ProgressBar(total_steps=35, stream=stream, log_every=10, start_step=3)  # resumed
+    bar = ProgressLog(total_steps=35, stream=stream, log_every=10, start_step=3)  # resumed
     for step in range(4, 36):
         bar.update(step, loss=1.0, tokens_per_sec=500.0, step_time=0.5)
     bar.close()
@@ -89,9 +64,9 @@ def test_non_tty_mode_logs_every_log_every_steps_and_the_last():
     assert lines[-1].endswith("ETA 0:00:00")
 
 
-def test_non_tty_close_logs_an_unlogged_final_step_once():
+def test_close_logs_an_unlogged_final_step_once():
     stream = io.StringIO()
-    bar = ProgressBar(total_steps=100, stream=stream, log_every=10)
+    bar = ProgressLog(total_steps=100, stream=stream, log_every=10)
     for step in range(1, 14):
         bar.update(step, loss=None, tokens_per_sec=None, step_time=0.5)
     bar.close()
@@ -104,6 +79,6 @@ def test_non_tty_close_logs_an_unlogged_final_step_once():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="start_step"):
-        ProgressBar(total_steps=10, start_step=11, stream=io.StringIO())
+        ProgressLog(total_steps=10, start_step=11, stream=io.StringIO())
     with pytest.raises(ValueError, match="log_every"):
-        ProgressBar(total_steps=10, log_every=0, stream=io.StringIO())
+        ProgressLog(total_steps=10, log_every=0, stream=io.StringIO())
