@@ -57,6 +57,7 @@ from axcore.kernels import (
     record_kernel_choices,
     record_kernel_decisions,
 )
+from axcore.mesh import instance_platform
 from axcore.module import deep_merge, functional
 from axcore.plugins import AxcorePluginManager, PluginRequest, create_plugin_manager, probe_instance_type
 from axcore.validation import check_sizes, validate_experiment
@@ -142,7 +143,7 @@ class Experiment:
             return functional(model, params, (batch,), jax.random.key(0), True)[0][0]
 
         instance_type = self.config.mesh.instance_type
-        platform = instance_type.split("-", 1)[0] if instance_type else None
+        platform = instance_platform(instance_type)
         # Another platform's kernels are chosen for it but may not run here: the references compute.
         stand_in = platform is not None and platform != current_platform()
         target = {"instance_type": instance_type, "platform": platform, "stand_in": stand_in}
@@ -313,7 +314,7 @@ def _join_job_if_type_unknown(s: _Loading) -> None:
 
 
 def _build_plugin_manager(s: _Loading) -> None:
-    s.platform = s.platform or (s.known_type.split("-", 1)[0] if s.known_type else current_platform())
+    s.platform = s.platform or instance_platform(s.known_type) or current_platform()
     s.manager = create_plugin_manager(s.plugins, objects=s.objects, platform=s.platform)
 
 
@@ -436,8 +437,7 @@ def _apply_flags(flags: Mapping[str, str], instance_type: str, probed: str | Non
     """Sets `flags` in `variable` (XLA_FLAGS, ...) if they are for this machine and the backend has not started."""
     if not flags:
         return
-    machine = probed.split("-", 1)[0] if probed else None
-    if machine != instance_type.split("-", 1)[0]:
+    if instance_platform(probed) != instance_platform(instance_type):
         why = (
             f"this machine was probed as {probed}"
             if probed

@@ -128,6 +128,28 @@ def select_mesh_rule(rules: Any, instance_type: str, *, local: Sequence[MeshRule
     return winner
 
 
+@dataclasses.dataclass(frozen=True)
+class InstanceType:
+    """The parts of an instance type string (module docstring): `gpu-h100-8` -> platform `gpu`,
+    kind `h100`, count 8; `cpu-8` -> platform `cpu`, kind None, count 8. A part the string
+    does not give is None (`gpu` alone: no kind, no count)."""
+
+    platform: str
+    kind: str | None
+    count: int | None
+
+    @classmethod
+    def parse(cls, instance_type: str) -> InstanceType:
+        platform, *rest = instance_type.split("-")
+        count = int(rest.pop()) if rest and rest[-1].isdigit() else None
+        return cls(platform, "-".join(rest) or None, count)
+
+
+def instance_platform(instance_type: str | None) -> str | None:
+    """The platform an instance type names (`gpu-h100-8` -> `gpu`), or None for None."""
+    return InstanceType.parse(instance_type).platform if instance_type else None
+
+
 def detect_instance_type() -> str:
     """`<platform>[-<device kind>]-<device count>` of the running JAX, e.g. `cpu-8`, `gpu-h100-8`."""
     import jax  # Deferred: only runs when a run is being laid out.

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
 
 import jax
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from axcore.data.schema import BATCH_SCHEMA
+from axcore.mesh import InstanceType
 from axcore.params import ParameterSpec
 from axcore.sharding import (
     batch_sharding,
@@ -84,8 +84,8 @@ def report_mesh(experiment: Any) -> AbstractMesh:
     mesh = experiment.config.mesh
     shape = tuple(mesh.mesh_shape)
     if -1 in shape:
-        found = re.search(r"-(\d+)$", mesh.instance_type or "")
-        shape = resolve_mesh_shape(shape, int(found.group(1)) if found else jax.device_count())
+        found = InstanceType.parse(mesh.instance_type).count if mesh.instance_type else None
+        shape = resolve_mesh_shape(shape, found or jax.device_count())
     return AbstractMesh(tuple(shape), tuple(mesh.mesh_axis_names))
 
 

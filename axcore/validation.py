@@ -36,6 +36,7 @@ from axcore.config import (
     walk,
 )
 from axcore.errors import AxcoreError, did_you_mean, one_line
+from axcore.mesh import instance_platform
 from axcore.params import ParameterSpec
 
 # Directories a run directory may never be put under (kernel interfaces, not storage).
@@ -153,7 +154,7 @@ def _dry_build(config: Any, registries: Any) -> str | None:
     from axcore.kernels import op_environment
 
     instance_type = config.mesh.instance_type
-    platform = instance_type.split("-", 1)[0] if instance_type else None
+    platform = instance_platform(instance_type)
     with op_environment(None, config.mesh.axis_rules, platform=platform, instance_type=instance_type, stand_in=False):
         specs = config.model.instantiate(name="model", registries=registries).parameter_specs()
     return _parameter_bytes_problem(specs)

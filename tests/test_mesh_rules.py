@@ -271,3 +271,14 @@ def test_yaml_rules_round_trip_and_take_overrides(tmp_path):
     saved = _write(tmp_path, axcore.config.to_yaml(exp.config, exp.registries), "saved.yaml")
     again = load_experiment(saved)
     assert again.flat() == exp.flat() and again.config.mesh.mesh_shape == (2, -1)
+
+
+@pytest.mark.parametrize("text, parts", [
+    ("gpu-h100-8", ("gpu", "h100", 8)), ("cpu-8", ("cpu", None, 8)), ("tpu-v5p-64", ("tpu", "v5p", 64)),
+    ("neuron-trn2-16", ("neuron", "trn2", 16)), ("gpu", ("gpu", None, None)), ("gpu-h100", ("gpu", "h100", None)),
+])
+def test_an_instance_type_parses_into_platform_kind_and_count(text, parts):
+    from axcore.mesh import InstanceType, instance_platform
+
+    parsed = InstanceType.parse(text)
+    assert (parsed.platform, parsed.kind, parsed.count) == parts and instance_platform(text) == parts[0]

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from axcore.kernels import current_environment
+from axcore.mesh import InstanceType
 
 # A CUDA device's `compute_capability` attribute reads like "9.0"; ROCm devices have none of that form.
 _CAPABILITY = re.compile(r"(\d+)\.(\d+)")
@@ -23,9 +24,9 @@ KIND_CAPABILITIES = {"a100": (8, 0), "h100": (9, 0), "h200": (9, 0), "b200": (10
 
 def instance_type_capability(instance_type: str | None) -> tuple[int, int] | None:
     """The compute capability of `gpu-<kind>-N` for a kind of `KIND_CAPABILITIES`, else None."""
-    parts = (instance_type or "").split("-")
-    if len(parts) == 3 and parts[0] == "gpu":
-        return KIND_CAPABILITIES.get(parts[1])
+    parsed = InstanceType.parse(instance_type) if instance_type else None
+    if parsed and parsed.platform == "gpu" and parsed.count is not None:
+        return KIND_CAPABILITIES.get(parsed.kind)
     return None
 
 

@@ -29,7 +29,7 @@ import os
 import pathlib
 from collections.abc import Mapping
 
-from axcore.mesh import device_kind_token
+from axcore.mesh import InstanceType, device_kind_token
 
 # Bytes of gradients one all-reduce may combine; all-gather and reduce-scatter scale from it.
 COMBINE_THRESHOLD_BYTES = 1 << 30
@@ -39,10 +39,10 @@ NVIDIA_PROC_ROOT = "/proc/driver/nvidia/gpus"
 
 def gpu_xla_flags(instance_type: str) -> dict[str, str] | None:
     """The recommended flags for `gpu-<kind>-N` (module docstring), None for other instance types."""
-    parts = instance_type.split("-")
-    if len(parts) != 3 or parts[0] != "gpu" or not parts[2].isdigit():
+    parsed = InstanceType.parse(instance_type)
+    if parsed.platform != "gpu" or parsed.kind is None or parsed.count is None:
         return None
-    count = int(parts[2])
+    count = parsed.count
     flags = {"xla_gpu_enable_latency_hiding_scheduler": "true"}
     if count > 1:
         flags.update(

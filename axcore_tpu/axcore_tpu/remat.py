@@ -37,6 +37,7 @@ import jax
 from axcore.config import get_path, walk
 from axcore.config_modifiers import Modifier, matching_configs, remat
 from axcore.errors import AxcoreError, ConfigError, NoMatchError
+from axcore.mesh import instance_platform
 
 # The transformer layers of axcore's decoders: decoder.layer0, layer1, ... (stacked) or
 # decoder.layer (the unit a RepeatedTransformer scans).
@@ -89,7 +90,7 @@ def remat_offload(paths: str = DECODER_LAYERS) -> Modifier:
         from axcore.layers.base import BaseLayer
 
         instance_type = config.mesh.instance_type
-        platform = instance_type.split("-", 1)[0] if instance_type else None
+        platform = instance_platform(instance_type)
         if platform not in HOST_OFFLOAD_PLATFORMS:
             if platform == "cpu":
                 why = "a CPU device's memory is host memory, so there is nothing to offload"
