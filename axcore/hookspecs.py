@@ -54,6 +54,9 @@ from axcore.experiments import experiment_source_validator
 from axcore.interop import converter_validator
 from axcore.kernels.registry import KernelRegistry, OpRegistry, fixed_op_callback
 from axcore.layers.position import PositionEmbedding
+from axcore.learning.objectives import Objective
+from axcore.learning.optimizers import Optimizer
+from axcore.learning.schedules import Schedule
 from axcore.markers import PROJECT_NAME, hookimpl, hookspec
 from axcore.mesh import MeshRule
 from axcore.module import Module
@@ -67,9 +70,6 @@ from axcore.registry import (
     module_class_validator,
     registers,
 )
-from axcore.trainer.objectives import Objective
-from axcore.trainer.optimizers import Optimizer
-from axcore.trainer.schedules import Schedule
 
 if TYPE_CHECKING:
     from axcore.config import ConfigBase
@@ -309,7 +309,7 @@ def axcore_register_objectives(register: RegisterComponent) -> None:
         register: `register(name, objective_class, *, override=False)`; the class must
             subclass `axcore.trainer.Objective`, whose `loss(model, params, batch, ...)`
             runs the model (as often as it needs) and returns loss, metrics and output
-            collection; contract in `axcore.trainer.objectives`.
+            collection; contract in `axcore.learning.objectives`.
 
     Returns nothing. Called like the other registration hooks (same order, same
     duplicate-name rule, one config namespace). The built-in is `next_token`.

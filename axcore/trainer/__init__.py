@@ -1,11 +1,11 @@
 """Training: the learner (registered optimizers and schedules on optax), objectives, the train step and loop,
 evaluation, and the loop's end-of-run callbacks (sampling, the loss plot)."""
 
+from axcore.learning.objectives import NextToken, Objective, ObjectiveOutput
+from axcore.learning.optimizers import SGD, Adafactor, AdamW, Lion, Optimizer, scale_by_adam
+from axcore.learning.schedules import Constant, Cosine, DecayShape, LinearDecay, Schedule, WarmupStableDecay
 from axcore.trainer.config import CheckpointConfig, SampleConfig, TrainerConfig, WatchdogConfig
 from axcore.trainer.learner import LearnerConfig, StateUpdateError, build_optimizer, learning_rate_schedule
-from axcore.trainer.objectives import NextToken, Objective, ObjectiveOutput
-from axcore.trainer.optimizers import SGD, Adafactor, AdamW, Lion, Optimizer, scale_by_adam
-from axcore.trainer.schedules import Constant, Cosine, DecayShape, LinearDecay, Schedule, WarmupStableDecay
 from axcore.trainer.watchdog import Watchdog
 
 __all__ = [

@@ -10,12 +10,12 @@ from typing import Annotated, Any
 from axcore.config import ConfigBase, InstantiableConfig, MaxLength, NonNegative, Positive, Range, Seed
 from axcore.config.base import coerce
 from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
+from axcore.learning.objectives import NextToken, Objective
+from axcore.learning.optimizers import Optimizer
+from axcore.learning.schedules import Schedule
 from axcore.observe.factories import JsonlWriterFactory, MetricsWriterFactory, TensorBoardWriterFactory
 from axcore.registry import Registries
 from axcore.trainer.learner import LearnerConfig, check_component
-from axcore.trainer.objectives import NextToken, Objective
-from axcore.trainer.optimizers import Optimizer
-from axcore.trainer.schedules import Schedule
 
 # Factory arguments the trainer sets itself (from CheckpointConfig fields of the same names).
 _TRAINER_BACKEND_ARGUMENTS = ("keep_last_n", "async_save")

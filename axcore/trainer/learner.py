@@ -31,9 +31,9 @@ import optax
 
 from axcore.config import ConfigBase, InstantiableConfig, NonNegative, Positive
 from axcore.errors import AxcoreError, ConfigError
+from axcore.learning.optimizers import AdamW, Optimizer
+from axcore.learning.schedules import Cosine, Schedule
 from axcore.params import ParameterSpec
-from axcore.trainer.optimizers import AdamW, Optimizer
-from axcore.trainer.schedules import Cosine, Schedule
 
 # multi_transform labels of trainable and frozen (trainable=False) parameters.
 TRAINABLE, FROZEN = "trainable", "frozen"

@@ -1,9 +1,9 @@
 """Built-in plugin: the optimizers (adamw, adafactor, lion, sgd), learning-rate schedules and objectives (next_token)."""
 
+from axcore.learning.objectives import OBJECTIVES
+from axcore.learning.optimizers import OPTIMIZERS
+from axcore.learning.schedules import SCHEDULES
 from axcore.markers import hookimpl
-from axcore.trainer.objectives import OBJECTIVES
-from axcore.trainer.optimizers import OPTIMIZERS
-from axcore.trainer.schedules import SCHEDULES
 
 
 @hookimpl

@@ -5,7 +5,7 @@ learner and the mesh, and derives, without allocating anything:
 
 - the train state (a plain dict, so every checkpoint backend can store it):
   `{"params", "opt_state", "step": int32 [], "prng_key": uint32 key data}`, plus
-  `"objective"` when the objective keeps state (`axcore.trainer.objectives`);
+  `"objective"` when the objective keeps state (`axcore.learning.objectives`);
 - its shardings (`state_shardings`): parameters by their logical axes under the mesh
   rule's `axis_rules`, optimizer and objective state like their parameter
   (`opt_state_shardings`), step and key replicated; and `batch_sharding` (batches
@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +37,8 @@ import optax
 from axcore.data.device_loader import DeviceLoader, shard_layout
 from axcore.data.schema import BATCH_SCHEMA
 from axcore.errors import ConfigError
-from axcore.experiment import Experiment
 from axcore.kernels import describe_kernel_choices, op_environment, record_kernel_choices
+from axcore.learning.objectives import Objective
 from axcore.sharding import batch_sharding, check_batch_size, make_mesh, parameter_shardings, resolve_rules
 from axcore.trainer.evaluate import EvalTotals, accumulate_step, run_evaluation
 from axcore.trainer.gradients import accumulated_gradients
@@ -49,7 +49,9 @@ from axcore.trainer.learner import (
     trainable_mask,
 )
 from axcore.trainer.memory_check import check_compiled_memory
-from axcore.trainer.objectives import Objective
+
+if TYPE_CHECKING:  # The trainer is given a loaded experiment; it never loads one.
+    from axcore.experiment import Experiment
 
 # The train state's entry holding the objective's own state (only when it keeps one).
 OBJECTIVE_STATE = "objective"
@@ -138,7 +140,7 @@ class TrainStep:
                 f"model.vocab_size is {model_vocab}; set model.vocab_size to at least {self.tokenizer.vocab_size}."
             )
         tcfg = cfg.trainer
-        # The loss the step differentiates (axcore.trainer.objectives).
+        # The loss the step differentiates (axcore.learning.objectives).
         self.objective: Objective = tcfg.objective.instantiate()
         specs = self.model.parameter_specs()
         # Whether each parameter is trainable (a tree like the parameters, of Python bools).

@@ -32,7 +32,7 @@ import pathlib
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import jax
 import numpy as np
@@ -42,7 +42,6 @@ from axcore.data import Split
 from axcore.data.device_loader import DeviceLoader
 from axcore.distributed import is_primary
 from axcore.errors import AxcoreError, one_line
-from axcore.experiment import Experiment
 from axcore.observe import MultiWriter, ProgressLog
 from axcore.trainer.callbacks import SAMPLE, Callback, RunEnd, default_callbacks, sample_text
 from axcore.trainer.config import make_checkpoint_backend
@@ -52,6 +51,9 @@ from axcore.trainer.interrupt import InterruptGuard, RunInterrupted, abort, inte
 from axcore.trainer.memory_check import check_state_memory
 from axcore.trainer.run_dir import RunDirectory, RunDirectoryError
 from axcore.trainer.step import TrainStep
+
+if TYPE_CHECKING:  # The trainer is given a loaded experiment; it never loads one.
+    from axcore.experiment import Experiment
 
 
 class NonFiniteLossError(AxcoreError):
