@@ -386,7 +386,7 @@ def _cmd_compile(args) -> int:
 
 
 def _cmd_loc(args) -> int:
-    from axcore.loc_report import format_table, loc_report
+    from axcore.tools.loc_report import format_table, loc_report
 
     sys.stdout.write(format_table(loc_report()))
     return 0

@@ -13,13 +13,13 @@ import axcore
 from axcore import hookspecs
 from axcore.config import ConfigBase, InstantiableConfig, find
 from axcore.experiment import ExperimentConfig
-from axcore.experiment_reference import experiment_reference, field_comment
-from axcore.hook_reference import hook_names, hook_reference, signature_text
 from axcore.layers import MultiheadAttention, RMSNorm
+from axcore.tools.experiment_reference import experiment_reference, field_comment
+from axcore.tools.hook_reference import hook_names, hook_reference, signature_text
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs"
-REGENERATE = "regenerate it: python -m axcore.{} > docs/{}"
+REGENERATE = "regenerate it: python -m axcore.tools.{} > docs/{}"
 
 
 def blocks(doc: str, language: str) -> list[str]:

@@ -8,12 +8,12 @@ import textwrap
 import pytest
 
 import axcore
-import axcore.loc_report
+import axcore.tools.loc_report
 from axcore.cli import main
 from axcore.config import replace
 from axcore.layers import RepeatedTransformer
 from axcore.layers.base import BaseLayer, checkpoint_policy
-from axcore.loc_report import (
+from axcore.tools.loc_report import (
     CoreLineTracer,
     Probe,
     body_lines,
@@ -144,7 +144,7 @@ def test_rope_integration_is_at_most_10_lines_and_touches_every_attention_layer(
 
 @pytest.mark.slow
 def test_readme_holds_the_current_table(rows, capsys, monkeypatch):
-    monkeypatch.setattr(axcore.loc_report, "loc_report", lambda: list(rows.values()))  # Computed once.
+    monkeypatch.setattr(axcore.tools.loc_report, "loc_report", lambda: list(rows.values()))  # Computed once.
     assert main(["loc"]) == 0
     table = capsys.readouterr().out
     assert table == format_table(list(rows.values()))
