@@ -37,18 +37,17 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks.llama_jax import SMOKE_SHAPE, LlamaShape
+from benchmarks.dispatch_overlap import _RecordedStep
+from benchmarks.gpu_step import add_shape_arguments
+from benchmarks.llama_jax import LlamaShape
 
 
-class _TracedStep:
-    """The jitted step, recording (start, return) of each call and tracing calls [first, first + count)."""
+class _TracedStep(_RecordedStep):
+    """`dispatch_overlap`'s recording step wrapper, also tracing calls [first, first + count)."""
 
     def __init__(self, step, trace_dir: str, first: int, count: int):
-        self.step, self.calls = step, []
+        super().__init__(step)
         self.trace_dir, self.first, self.count = trace_dir, first, count
-
-    def lower(self, *args, **kwargs):
-        return self.step.lower(*args, **kwargs)
 
     def __call__(self, *args):
         import jax
@@ -56,9 +55,7 @@ class _TracedStep:
         index = len(self.calls)
         if self.count and index == self.first:
             jax.profiler.start_trace(self.trace_dir)
-        start = time.perf_counter()
-        out = self.step(*args)
-        self.calls.append((start, time.perf_counter()))
+        out = super().__call__(*args)
         if self.count and index == self.first + self.count - 1:
             jax.block_until_ready(out)
             jax.profiler.stop_trace()
@@ -173,8 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_dispatch", description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (CI)")
-    for f in dataclasses.fields(LlamaShape):
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=int, help=f"model {f.name} (default: gpu_step's)")
+    add_shape_arguments(p)
     p.add_argument("--steps", type=int, default=41)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--trace-from", type=int, default=12, help="first traced step call")
@@ -193,9 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.smoke:
         args.steps, args.log_every, args.trace_from, args.trace_calls = 9, 3, 4, 2
-        for f in dataclasses.fields(LlamaShape):
-            if getattr(args, f.name) is None:
-                setattr(args, f.name, getattr(SMOKE_SHAPE, f.name))
     run(args)
     return 0
 

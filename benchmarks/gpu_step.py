@@ -474,8 +474,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_step", description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny model, 2 rounds, CPU is fine (CI); numbers mean nothing")
     p.add_argument("--attention", nargs="+", choices=ATTENTIONS, default=["auto"], help="one phase each (default auto)")
-    for name in ("batch", "seq", "layers", "dim", "heads", "kv_heads", "ffn", "vocab"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"model {name} (default: the full/smoke shape's)")
+    add_shape_arguments(p)
     p.add_argument("--warmup", type=int, help="steps per contender before timing, the first one included (default 3)")
     p.add_argument("--rounds", type=int, help="alternated timed rounds (default 10; smoke 2)")
     p.add_argument("--steps-per-round", type=int, help="steps per contender and round, timed together (default 3)")
@@ -498,6 +497,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.warmup < 1 or args.rounds < 1 or args.steps_per_round < 1:
         parser().error("--warmup, --rounds and --steps-per-round must be at least 1")
     return args
+
+
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """`--vocab`, `--dim`, ... one per `LlamaShape` field; unset ones come from the full or smoke shape (`shape_of`)."""
+    for f in dataclasses.fields(LlamaShape):
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=int, help=f"model {f.name} (default: the full/smoke shape's)")
 
 
 def shape_of(args: argparse.Namespace) -> LlamaShape:

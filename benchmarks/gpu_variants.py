@@ -43,7 +43,9 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks.llama_jax import SMOKE_SHAPE, LlamaShape
+from benchmarks.gpu_attention import segments as document_segments
+from benchmarks.gpu_step import add_shape_arguments
+from benchmarks.llama_jax import LlamaShape
 
 # name -> (extra plugins, extra overrides, packed batches). Overrides apply after gpu_step's.
 ATTN = "model.decoder.layer.self_attention.kernel"
@@ -89,17 +91,13 @@ def make_batches(tokens, shape: LlamaShape, count: int, seed: int, doc_mean: flo
         rows = np.stack([tokens[s:s + shape.seq + 1] for s in starts])
         batch = {"input_ids": rows[:, :-1], "target_labels": rows[:, 1:].copy()}
         if doc_mean:
-            segments = np.zeros((shape.batch, shape.seq), np.int32)
-            positions = np.zeros((shape.batch, shape.seq), np.int32)
-            for r in range(shape.batch):
-                at, segment = 0, 1
-                while at < shape.seq:
-                    length = min(shape.seq - at, max(16, int(rng.exponential(doc_mean))))
-                    segments[r, at:at + length] = segment
-                    positions[r, at:at + length] = np.arange(length)
-                    batch["target_labels"][r, at + length - 1] = -1  # No label across a document boundary.
-                    at, segment = at + length, segment + 1
-            batch["segment_ids"], batch["positions"] = segments, positions
+            segments = document_segments(rng, shape.batch, shape.seq, doc_mean)
+            starts = np.diff(segments, axis=1, prepend=0) != 0  # A document's first token.
+            index = np.broadcast_to(np.arange(shape.seq), segments.shape)
+            positions = index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+            ends = np.concatenate([starts[:, 1:], np.ones((shape.batch, 1), bool)], axis=1)
+            batch["target_labels"][ends] = -1  # No label across a document boundary.
+            batch["segment_ids"], batch["positions"] = segments, positions.astype(np.int32)
         batches.append(batch)
     return batches
 
@@ -296,8 +294,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_variants", description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (CI); numbers mean nothing")
     p.add_argument("--contenders", nargs="+", default=["bf16", "packed_xla", "packed_pallas", "fp8"])
-    for f in dataclasses.fields(LlamaShape):
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=int, help=f"model {f.name} (default: gpu_step's)")
+    add_shape_arguments(p)
     p.add_argument("--warmup", type=int, default=3, help="steps per contender before timing (default 3)")
     p.add_argument("--rounds", type=int, default=5, help="alternated timed rounds (default 5)")
     p.add_argument("--steps-per-round", type=int, default=10, help="steps per contender and round (default 10)")
@@ -318,9 +315,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.smoke:
         args.rounds, args.steps_per_round, args.warmup = 1, 1, 1
-        for f in dataclasses.fields(LlamaShape):
-            if getattr(args, f.name) is None:
-                setattr(args, f.name, getattr(SMOKE_SHAPE, f.name))
     run(args)
     return 0
 
