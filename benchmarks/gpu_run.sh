@@ -6,7 +6,7 @@
 # Put `tests` first: a stage cut by the deadline returns nothing but its log (pytest runs
 # with -v, so the log names every test's outcome even when the run is cut).
 #
-# Installs axcore, the rope/swiglu plugins and axcore_gpu (with the wheels carried in .whl/:
+# Installs axcore, the rope/swiglu/remat plugins and axcore_gpu (with the wheels carried in .whl/:
 # grain, array-record, portpicker, tensorboardX) into /tmp/site without touching the image's
 # CUDA JAX, then runs the named stages in order, each bounded so that the whole run ends
 # within SECONDS. Logs go to $OUT/log.txt and results (benchmarks' JSON, junit XML) to
@@ -24,7 +24,7 @@ DEADLINE=$((SECONDS + LIMIT))
 log() { echo "$@" | tee -a "$OUT/log.txt"; }
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --upgrade \
-  --target /tmp/site .whl/*.whl . ./plugins/rope ./plugins/swiglu ./axcore_gpu >>"$OUT/log.txt" 2>&1 || { log "install failed"; tail -20 "$OUT/log.txt"; exit 1; }
+  --target /tmp/site .whl/*.whl . ./plugins/rope ./plugins/swiglu ./plugins/remat ./axcore_gpu >>"$OUT/log.txt" 2>&1 || { log "install failed"; tail -20 "$OUT/log.txt"; exit 1; }
 export PYTHONPATH=/tmp/site
 log "== machine $(date -u +%FT%TZ)"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee -a "$OUT/log.txt"
@@ -44,7 +44,7 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: runs within the deadline, logs, 
 
 for s in "$@"; do
   case $s in
-    tests) stage tests 170 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -n 6 -p no:cacheprovider \
+    tests) stage tests 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -n 6 -p no:cacheprovider \
              --junitxml="$RESULTS/gpu_tests.xml" ${PYTEST_ARGS:-tests/gpu tests/kernels} ;;
     norm) stage norm 90 python3 -m benchmarks.gpu_norm ;;
     attention) stage attention 120 python3 -m benchmarks.gpu_attention ${PALLAS:+--pallas $PALLAS} ;;
@@ -55,6 +55,9 @@ for s in "$@"; do
     dispatch) stage dispatch 100 python3 -m benchmarks.gpu_dispatch ${DISPATCH_ARGS:-} ;;
     dispatch_async) stage dispatch_async 100 env XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async \
         python3 -m benchmarks.gpu_dispatch --tag cuda_async ${DISPATCH_ARGS:-} ;;
+    dispatch_nocb) stage dispatch_nocb 100 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+        python3 -m benchmarks.gpu_dispatch --tag no_command_buffer ${DISPATCH_ARGS:-} ;;
+    probes) stage probes 120 python3 -m benchmarks.gpu_probes ;;
     profile) stage profile 120 python3 -m benchmarks.gpu_profile --contender axcore ;;
     step) stage step 150 python3 -m benchmarks.gpu_step --attention auto --steps-per-round 10 --rounds 5 ;;
     *) log "unknown stage $s" ;;

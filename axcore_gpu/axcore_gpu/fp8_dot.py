@@ -3,18 +3,25 @@
 Arithmetic (the recipe of TransformerEngine's and Flax's fp8 matmuls, per tensor):
 
 - Forward: x and the weight (its float32 master value cast to the compute dtype) are
-  each quantize-dequantized to float8_e4m3fn,
+  each quantized to float8_e4m3fn with a per-tensor scale,
 
-      qdq(v, s) = clip(v / s, -max, max).astype(fp8).astype(compute) * s,
+      q(v, s) = clip(v / s, -max, max).astype(fp8),
 
-  and multiplied with float32 accumulation into the site's output dtype. On a GPU this
-  is the pattern XLA's GemmRewriter turns into one cuBLASLt fp8 GEMM (scales applied
-  by cuBLASLt); on CPU it is an emulation with the same numerics (slow: the dot
-  itself runs in the compute dtype).
-- Backward: the output gradient g is quantize-dequantized to float8_e5m2 (more range,
-  less precision), then `dx = qdq(g) . qdq(w)^T` and `dw = qdq(x)^T . qdq(g)` in the
-  compute dtype with float32 accumulation (the quantization is straight-through). The
-  gradient reaches the float32 master weight through the cast, as for any `dot`.
+  multiplied as fp8 arrays with float32 accumulation, and the product scaled by
+  `s_x * s_w` into the site's output dtype: `y = (q(x) . q(w)) * s_x * s_w`, which is
+  the dot of the dequantized values (the scales are scalars). The dot's operands are
+  fp8 in the program itself, so on a GPU it is one cuBLASLt fp8 GEMM
+  (`__cublas$lt$matmul$f8`) whatever else XLA fuses; on CPU it is an emulation with the
+  same numerics. (The dequantize-then-dot form, `dot(q(x).astype(bf16) * s_x, ...)`,
+  which XLA's GemmRewriter documents, compiled on an H200 with JAX 0.11.2 into Triton
+  bf16 GEMMs whose fp8 round trip XLA had removed: bf16 numerics, no fp8 tensor cores;
+  `benchmarks/gpu_probes.py` shows both.)
+- Backward: the output gradient g is quantized to float8_e5m2 (more range, less
+  precision), then `dx = (q(g) . q(w)^T) * s_g * s_w` and `dw = (q(x)^T . q(g)) * s_x * s_g`
+  (e5m2 x e4m3 and e4m3 x e5m2, the pairs cuBLASLt takes), float32 accumulated; the
+  quantization is straight-through. The residuals kept for the backward pass are the
+  fp8 operands (a quarter of float32's memory). The gradient reaches the float32 master
+  weight through the cast, as for any `dot`.
 - Delayed scaling: each of x, w and g has an amax history (float32 `[history_length]`,
   newest first) kept as kernel state under `kernel_state/<site>`. A step's scale is
   `s = max(history) / fp8_max * 2**margin` over the history *before* the step (1.0 while
@@ -79,17 +86,19 @@ def push_amax(history: jax.Array, value: jax.Array) -> jax.Array:
     return jnp.roll(history, 1).at[0].set(amax.astype(history.dtype))
 
 
-def quantize_dequantize(v: jax.Array, scale: jax.Array, fp8_dtype: Any, compute_dtype: Any) -> jax.Array:
-    """`clip(v / scale, -max, max).astype(fp8_dtype).astype(compute_dtype) * scale`, in the compute dtype."""
+def quantize(v: jax.Array, scale: jax.Array, fp8_dtype: Any, compute_dtype: Any) -> jax.Array:
+    """`clip(v / scale, -max, max).astype(fp8_dtype)`, the division in the compute dtype."""
     fp8_max = float(jnp.finfo(fp8_dtype).max)
     s = scale.astype(compute_dtype)
-    q = jnp.clip(v.astype(compute_dtype) / s, -fp8_max, fp8_max).astype(fp8_dtype)
-    return q.astype(compute_dtype) * s
+    return jnp.clip(v.astype(compute_dtype) / s, -fp8_max, fp8_max).astype(fp8_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """Static part of one call: the dot's dimension numbers and dtypes (hashable)."""
+    """Static part of one call: the dot's dimension numbers and dtypes (hashable).
+
+    Its products take fp8 operands and return float32 (accumulated in float32), unscaled.
+    """
 
     # Weight dims contracted with x's trailing dims, in order.
     contract: tuple[int, ...]
@@ -142,9 +151,10 @@ def fp8_matmul(layout: _Layout, x, w, x_scale, w_scale, g_history):
 
 
 def _forward(layout, x, w, x_scale, w_scale):
-    xq = quantize_dequantize(x, x_scale, FORWARD_DTYPE, layout.compute_dtype)
-    wq = quantize_dequantize(w, w_scale, FORWARD_DTYPE, layout.compute_dtype)
-    return layout.forward(xq, wq).astype(layout.output_dtype), xq, wq
+    xq = quantize(x, x_scale, FORWARD_DTYPE, layout.compute_dtype)
+    wq = quantize(w, w_scale, FORWARD_DTYPE, layout.compute_dtype)
+    y = layout.forward(xq, wq) * (x_scale * w_scale)
+    return y.astype(layout.output_dtype), xq, wq
 
 
 def _fp8_matmul_fwd(layout, x, w, x_scale, w_scale, g_history):
@@ -155,9 +165,10 @@ def _fp8_matmul_fwd(layout, x, w, x_scale, w_scale, g_history):
 def _fp8_matmul_bwd(layout, residuals, g):
     xq, wq, x_scale, w_scale, g_history = residuals
     g_scale = scale_from_history(g_history, E5M2_MAX, layout.margin)
-    gq = quantize_dequantize(g, g_scale, GRADIENT_DTYPE, layout.compute_dtype)
-    dx = layout.dx(gq, wq).astype(xq.dtype)
-    dw = layout.dw(xq, gq).astype(wq.dtype)
+    gq = quantize(g, g_scale, GRADIENT_DTYPE, layout.compute_dtype)
+    compute = layout.compute_dtype
+    dx = (layout.dx(gq, wq) * (g_scale * w_scale)).astype(compute)
+    dw = (layout.dw(xq, gq) * (x_scale * g_scale)).astype(compute)
     new_g_history = push_amax(g_history, g)
     return dx, dw, jnp.zeros_like(x_scale), jnp.zeros_like(w_scale), new_g_history
 
@@ -245,6 +256,6 @@ __all__ = [
     "Fp8Dot",
     "fp8_matmul",
     "push_amax",
-    "quantize_dequantize",
+    "quantize",
     "scale_from_history",
 ]

@@ -4,10 +4,12 @@ The kernel runs in interpret mode on inputs placed with the shardings its proble
 input_specs state, under a 2x2 ("data", "model") mesh; the reference runs unsharded.
 Prints one JSON line: {"errors": case -> largest relative error over the output and
 the gradients of q, k and v, "triton_calls": Triton custom calls in the gradient
-lowered for CUDA (interpret=False) under the same mesh, batch and heads sharded}.
+lowered for CUDA (interpret=False) under the same mesh, batch and heads sharded; null when
+AXCORE_TEST_CUDA_LOWERING=0, which the test sets where a GPU is present}.
 """
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +73,8 @@ def main():
         expected = run(XlaAttention(), reference_problem, [q, k, v], [segment_ids, kv_mask] if with_extra else [],
                        cotangent)
         errors[case] = max(float(np.abs(a - e).max() / max(1.0, np.abs(e).max())) for a, e in zip(actual, expected))
-    print(json.dumps({"errors": errors, "triton_calls": lowered_for_cuda(mesh)}))
+    cuda_lowering = os.environ.get("AXCORE_TEST_CUDA_LOWERING", "1") == "1"
+    print(json.dumps({"errors": errors, "triton_calls": lowered_for_cuda(mesh) if cuda_lowering else None}))
 
 
 def lowered_for_cuda(mesh):

@@ -157,6 +157,25 @@ def test_bfloat16_compute_stays_within_the_bounds_of_float32_results():
     assert 0.045 < rel_error(dx, dx32) < 0.07 and 0.045 < rel_error(dw, dw32) < 0.07
 
 
+@pytest.mark.parametrize("compute_dtype", [jnp.bfloat16, jnp.float32])
+def test_every_product_of_forward_and_backward_takes_fp8_operands(compute_dtype):
+    """The program's dots themselves take fp8 operands, so no compiler pass can drop the quantization.
+
+    (A dequantize-then-dot form compiled, on an H200 with JAX 0.11.2, into bf16 GEMMs without the
+    fp8 round trip: `benchmarks/gpu_probes.py`.)
+    """
+    w_shape, contract = LAYOUTS[1]
+    x, w, g = data(w_shape, contract)
+    kernel = Fp8Dot(history_length=4)
+    problem = dot_problem(x, w, contract, compute_dtype=compute_dtype, platform="cpu")
+    state = histories(np.abs(x).max(), np.abs(w).max(), np.abs(g).max())
+    cast = [jnp.asarray(a, compute_dtype) for a in (x, w, g)]
+    text = jax.jit(lambda *a: run(kernel, problem, *a)).lower(*cast[:2], state, cast[2]).as_text()
+    operand_types = re.findall(r"stablehlo\.dot_general.*?: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)", text)
+    # Forward e4m3 x e4m3; dx = g . w^T is e5m2 x e4m3; dw = x^T . g is e4m3 x e5m2.
+    assert sorted(operand_types) == sorted([("f8E4M3FN", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2")])
+
+
 # -- Delayed scaling ----------------------------------------------------------------------------
 
 
@@ -282,7 +301,7 @@ def test_plugin_entry_point_and_import_without_device():
         "except RuntimeError:\n"
         "    print('no backend')\n"
     )
-    env = dict(os.environ, JAX_PLATFORMS="axcore_no_such_platform", PYTHONPATH=str(PACKAGE_ROOT))
+    env = dict(os.environ, JAX_PLATFORMS="axcore_no_such_platform", PYTHONPATH=os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["no", "backend"]  # Importing touched no backend.

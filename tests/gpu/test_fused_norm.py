@@ -157,6 +157,7 @@ def test_a_model_forced_onto_a_kernel_trains_like_the_reference(kernel):
     forced = load_experiment(None, overrides, objects=objects)
     with record_kernel_choices() as choices:
         _, losses = train_steps(forced, steps=2)
-    assert {k: sorted(v) for k, v in choices["rms_norm"].items()} == {kernel: NORM_SITES}
+    # A site is recorded once per trace (a GPU run traces the step more than once): compare the sites.
+    assert {k: sorted(set(v)) for k, v in choices["rms_norm"].items()} == {kernel: NORM_SITES}
     _, want = train_steps(load_experiment(None, TINY), steps=2)
     np.testing.assert_allclose(losses, want, rtol=1e-5)

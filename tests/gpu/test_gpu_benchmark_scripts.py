@@ -1,6 +1,6 @@
 """Smoke runs of issue 27's GPU benchmarks on CPU (tiny shapes; timings mean nothing) and their batch maker.
 
-`benchmarks.gpu_variants`, `gpu_attention`, `gpu_dispatch` and `gpu_norm` are run
+`benchmarks.gpu_variants`, `gpu_attention`, `gpu_dispatch`, `gpu_norm` and `gpu_probes` are run
 for real only on a GPU (`benchmarks/gpu_run.sh`); here each runs its `--smoke` mode end to
 end so that a change elsewhere cannot silently break the script a lent GPU's few minutes
 depend on, and the packed batches the step benchmark builds are checked against what
@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 
-from benchmarks import gpu_attention, gpu_dispatch, gpu_norm, gpu_variants
+from benchmarks import gpu_attention, gpu_dispatch, gpu_norm, gpu_probes, gpu_variants
 from benchmarks.llama_jax import LlamaShape
 
 
@@ -62,3 +62,14 @@ def test_gpu_norm_smoke(tmp_path):
     data = json.loads((tmp_path / "gpu_norm.json").read_text())
     assert set(data["results"]) == {"xla", "fused_vjp", "pallas"}
     assert all(r["forward"]["median"] > 0 and r["forward+backward"]["median"] > 0 for r in data["results"].values())
+
+
+def test_gpu_probes_smoke(tmp_path):
+    gpu_probes.main(["--smoke", "--results-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "gpu_probes.json").read_text())
+    forms = {"bf16", "qdq_f32acc", "qdq_bf16out", "qdq_f32", "direct", "direct_e5m2"}
+    assert set(data["fp8"]) == forms | {f"{f}/no_triton" for f in forms}
+    assert data["fp8"]["bf16"]["rel_error_vs_bf16"] == 0.0
+    # e4m3 keeps 3 mantissa bits: a relative error of a few percent, never zero and never O(1).
+    assert all(0.005 < data["fp8"][f]["rel_error_vs_bf16"] < 0.1 for f in forms - {"bf16"})
+    assert set(data["host"]) == {"matmuls", "elementwise"}

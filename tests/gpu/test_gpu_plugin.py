@@ -51,7 +51,7 @@ def test_import_and_gpu_resolution_probe_no_device():
         "except RuntimeError:\n"
         "    print('no backend')\n"
     )
-    env = dict(os.environ, JAX_PLATFORMS="axcore_no_such_platform", PYTHONPATH=str(PACKAGE_ROOT))
+    env = dict(os.environ, JAX_PLATFORMS="axcore_no_such_platform", PYTHONPATH=os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The last line proves the probe above would have failed had anything touched a backend.

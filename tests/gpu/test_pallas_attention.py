@@ -281,6 +281,9 @@ def test_sharded_kernel_matches_reference_on_4_cpu_devices():
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
+        # Lowering the compiled kernel for CUDA under a mesh of CPU devices works where no GPU is present;
+        # with one present, JAX 0.11.2's Triton lowering looks for the mesh's GPU and refuses (seen on an H200).
+        AXCORE_TEST_CUDA_LOWERING="0" if jax.default_backend() == "gpu" else "1",
         XLA_FLAGS="--xla_force_host_platform_device_count=4",
         PYTHONPATH=os.pathsep.join([str(GPU_PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]),
     )
@@ -291,4 +294,4 @@ def test_sharded_kernel_matches_reference_on_4_cpu_devices():
     assert set(result["errors"]) == {"batch", "batch+heads, segments, kv mask"}
     for case, error in result["errors"].items():
         assert error < F32_TOL, (case, error)
-    assert result["triton_calls"] == 3
+    assert result["triton_calls"] == (3 if env["AXCORE_TEST_CUDA_LOWERING"] == "1" else None)

@@ -112,6 +112,10 @@ def test_forward_mode_works_by_default_and_the_opt_in_cpu_kernel_refuses_it(regi
     x = jnp.ones((2, 3))
     for kernel in (None, "xla", "xla_cpu"):
         layer = cfg.clone(kernels=None if kernel is None else {"dot": kernel}).instantiate(name="proj", registries=registries)
+        if kernel == "xla_cpu" and jax.default_backend() != "cpu":  # Only for the cpu platform.
+            with pytest.raises(KernelNotSupportedError, match="only for the cpu platform"):
+                layer.initialize(jax.random.key(0))
+            continue
         params = layer.initialize(jax.random.key(0))
 
         def f(x, layer=layer, params=params):
