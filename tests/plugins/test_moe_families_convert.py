@@ -1,0 +1,106 @@
+"""Plugin moe_families: Mixtral and Qwen3-MoE exports, round trips and refusals.
+
+Tiny random models (moe_family_models.py). Exports read back by transformers'
+`from_pretrained` with the same logits; HF -> axcore -> HF bit-identical in float32,
+bfloat16 and float16; unsupported config fields refused in one line naming them.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("axcore_moe_families")
+
+from moe_family_models import CONFIGS, TOLERANCE, axcore_logits, hf_logits, save_hf  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
+
+import axcore  # noqa: E402
+from axcore.cli import main  # noqa: E402
+
+from axcore_hf import axcore_to_hf, hf_to_axcore  # noqa: E402
+from axcore_hf.files import DTYPES, read_config, read_tensors, write_config  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def family(request, tmp_path_factory):
+    """(model_type, HF model, HF dir, imported run dir) of each family's tiny model."""
+    root = tmp_path_factory.mktemp(request.param)
+    model = save_hf(root / "hf", CONFIGS[request.param]())
+    hf_to_axcore(root / "hf", root / "run")
+    return request.param, model, root / "hf", root / "run"
+
+
+def test_export_loads_in_transformers_with_the_same_logits(family, tmp_path):
+    name, model, hf_dir, run = family
+    axcore_to_hf(run, tmp_path / "out")
+    config = read_config(tmp_path / "out")
+    assert config["model_type"] == name and config["num_experts_per_tok"] == 2
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert type(exported) is type(model)
+    assert np.abs(hf_logits(exported) - axcore_logits(run)).max() < TOLERANCE
+    assert sorted(read_tensors(tmp_path / "out")) == sorted(read_tensors(hf_dir))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_round_trip_is_bit_identical(family, tmp_path, dtype):
+    _, _, hf_dir, _ = family
+    source = tmp_path / "hf"  # The float32 checkpoint stored in `dtype` (rounded once, here).
+    source.mkdir()
+    save_file({k: v.astype(DTYPES[dtype]) for k, v in read_tensors(hf_dir).items()}, source / "model.safetensors")
+    write_config(source, {**read_config(hf_dir), "dtype": dtype})
+    hf_to_axcore(source, tmp_path / "run")
+    axcore_to_hf(tmp_path / "run", tmp_path / "out")
+    before, after = read_tensors(source), read_tensors(tmp_path / "out")
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert after[name].dtype == DTYPES[dtype] and tensor.tobytes() == after[name].tobytes(), name
+
+
+def _bad(tmp_path, family, **fields):
+    directory = tmp_path / "bad"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({**CONFIGS[family]().to_dict(), **fields}))
+    return directory
+
+
+@pytest.mark.parametrize(
+    "family, fields, expected",
+    [
+        ("mixtral", {"router_jitter_noise": 0.1}, "'router_jitter_noise' is 0.1"),
+        ("mixtral", {"num_experts_per_tok": 5}, "'num_experts_per_tok' (5) exceeds"),
+        ("qwen3_moe", {"mlp_only_layers": [1]}, "'mlp_only_layers' is [1]"),
+        ("qwen3_moe", {"decoder_sparse_step": 2}, "'decoder_sparse_step' is 2"),
+        ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, "'use_sliding_window' is True"),
+        ("qwen3_moe", {"shared_expert_intermediate_size": 32}, "'shared_expert_intermediate_size' is 32"),
+        ("qwen3_moe", {"attention_bias": True}, "'attention_bias' is true"),
+        ("qwen3_moe", {"num_experts": 0, "num_local_experts": 0}, "'num_local_experts' is 0"),
+    ],
+)
+def test_unsupported_configs_exit_2_with_one_line(tmp_path, capsys, family, fields, expected):
+    source = _bad(tmp_path, family, **fields)
+    assert main(["convert", "hf-to-axcore", str(source), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err and "config.json" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
+def test_missing_expert_tensor_is_named(family, tmp_path, capsys):
+    name, _, hf_dir, _ = family
+    source = tmp_path / "hf"
+    source.mkdir()
+    tensors = read_tensors(hf_dir)
+    block = "block_sparse_moe" if name == "mixtral" else "mlp"
+    missing = f"model.layers.1.{block}.experts.3.{'w2' if name == 'mixtral' else 'down_proj'}.weight"
+    save_file({k: v for k, v in tensors.items() if k != missing}, source / "model.safetensors")
+    write_config(source, read_config(hf_dir))
+    assert main(["convert", "hf-to-axcore", str(source), str(tmp_path / "out")]) == 2
+    assert f"tensor '{missing}' is missing" in capsys.readouterr().err
+
+
+def test_families_are_registered_by_model_type():
+    registries = axcore.create_plugin_manager(["hf", "moe_families"]).registries
+    assert {"mixtral", "qwen3_moe"} <= set(registries.model_converters)
+    assert registries.model_converters.entry("qwen3_moe").provenance.plugin == "moe_families"
