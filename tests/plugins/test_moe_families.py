@@ -75,3 +75,20 @@ def test_generate_matches_transformers_greedy_generate(family, capsys):
         with torch.no_grad():
             expected = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
         assert record["tokens"] == expected.tolist()
+
+
+def test_mixtral_sliding_window_in_logits_and_the_kv_cache(tmp_path, capsys):
+    """A window of 6 over 24 tokens (and over prompt + 16 generated tokens in the cache)."""
+    model = save_hf(tmp_path / "hf", CONFIGS["mixtral"](sliding_window=6))
+    hf_to_axcore(tmp_path / "hf", tmp_path / "run")
+    assert load_model(tmp_path / "run").experiment.config.model.decoder.layer[0].self_attention.sliding_window == 6
+    ours = axcore_logits(tmp_path / "run")
+    assert np.abs(ours - hf_logits(model)).max() < TOLERANCE
+    prompt = "Good morning, "
+    assert main(["generate", str(tmp_path / "run"), "--max-new-tokens", "16", "--json", "--prompt", prompt]) == 0
+    ids = torch.tensor([list(prompt.encode())])
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] == expected.tolist()
+    model.config.sliding_window = None  # The window matters at this length.
+    assert np.abs(ours - hf_logits(model)).max() > 1e-2
