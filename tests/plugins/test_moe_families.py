@@ -20,7 +20,7 @@ from moe_family_models import CONFIGS, TOLERANCE, axcore_logits, hf_logits, save
 from axcore.cli import main  # noqa: E402
 from axcore.run_loading import load_model  # noqa: E402
 
-from axcore_hf import hf_to_axcore  # noqa: E402
+from axcore_hf import axcore_to_hf, hf_to_axcore  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -77,11 +77,15 @@ def test_generate_matches_transformers_greedy_generate(family, capsys):
         assert record["tokens"] == expected.tolist()
 
 
-def test_mixtral_sliding_window_in_logits_and_the_kv_cache(tmp_path, capsys):
-    """A window of 6 over 24 tokens (and over prompt + 16 generated tokens in the cache)."""
-    model = save_hf(tmp_path / "hf", CONFIGS["mixtral"](sliding_window=6))
+@pytest.mark.parametrize(
+    "name, switch", [("mixtral", {}), ("qwen3_moe", {"use_sliding_window": True})], ids=["mixtral", "qwen3_moe"]
+)
+def test_sliding_window_in_logits_and_the_kv_cache(name, switch, tmp_path, capsys):
+    """A window of 6 over 24 tokens (and over prompt + 16 generated tokens in the cache), every layer."""
+    model = save_hf(tmp_path / "hf", CONFIGS[name](sliding_window=6, **switch))
     hf_to_axcore(tmp_path / "hf", tmp_path / "run")
-    assert load_model(tmp_path / "run").experiment.config.model.decoder.layer[0].self_attention.sliding_window == 6
+    layers = load_model(tmp_path / "run").experiment.config.model.decoder.layer
+    assert [layer.self_attention.sliding_window for layer in layers] == [6, 6]
     ours = axcore_logits(tmp_path / "run")
     assert np.abs(ours - hf_logits(model)).max() < TOLERANCE
     prompt = "Good morning, "
@@ -92,3 +96,6 @@ def test_mixtral_sliding_window_in_logits_and_the_kv_cache(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"] == expected.tolist()
     model.config.sliding_window = None  # The window matters at this length.
     assert np.abs(ours - hf_logits(model)).max() > 1e-2
+    axcore_to_hf(tmp_path / "run", tmp_path / "out")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert exported.config.sliding_window == 6 and np.abs(ours - hf_logits(exported)).max() < TOLERANCE

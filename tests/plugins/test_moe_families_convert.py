@@ -73,7 +73,6 @@ def _bad(tmp_path, family, **fields):
         ("mixtral", {"num_experts_per_tok": 5}, "'num_experts_per_tok' (5) exceeds"),
         ("qwen3_moe", {"mlp_only_layers": [1]}, "'mlp_only_layers' is [1]"),
         ("qwen3_moe", {"decoder_sparse_step": 2}, "'decoder_sparse_step' is 2"),
-        ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, "'use_sliding_window' is True"),
         ("qwen3_moe", {"shared_expert_intermediate_size": 32}, "'shared_expert_intermediate_size' is 32"),
         ("qwen3_moe", {"attention_bias": True}, "'attention_bias' is true"),
         ("qwen3_moe", {"num_experts": 0, "num_local_experts": 0}, "'num_local_experts' is 0"),

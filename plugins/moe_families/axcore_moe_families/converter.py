@@ -9,7 +9,10 @@ softmax over all experts, top-k, then:
 | family    | gates of the k experts                                 | axcore `moe.gates` | attention   |
 |-----------|--------------------------------------------------------|--------------------|-------------|
 | mixtral   | renormalized to sum to 1 (= softmax over the k logits) | renormalized       | Llama (+ sliding_window) |
-| qwen3_moe | renormalized if `norm_topk_prob`, else the probabilities | renormalized / probabilities | Llama + QK-norm (RMSNorm per head, before RoPE) |
+| qwen3_moe | renormalized if `norm_topk_prob`, else the probabilities | renormalized / probabilities | Llama + QK-norm (RMSNorm per head, before RoPE) (+ sliding_window if use_sliding_window) |
+
+A sliding window, where set, applies to every layer (as in Mistral; Qwen3-MoE has no
+`max_window_layers`).
 
 Tensors besides Llama's attention and norms (`axcore_hf.llama`'s table), with
 E experts, d = hidden_size, I = the expert size, B = the block (`block_sparse_moe`
@@ -31,8 +34,7 @@ and a reshape, so float32/bfloat16/float16 tensors round-trip bit for bit.
 
 Refused (one line naming the field): router jitter (`router_jitter_noise`), dense
 layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step` != 1),
-shared experts (`shared_expert_intermediate_size`), Qwen3-MoE's
-`use_sliding_window`, and everything `LlamaConverter` refuses (biases, other
+shared experts (`shared_expert_intermediate_size`), and everything `LlamaConverter` refuses (biases, other
 activations, rope types).
 """
 
@@ -95,8 +97,9 @@ class MoEFamily:
     expert_size_field: str
     # Whether attention has QK-norm (`self_attn.q_norm` / `k_norm`, RMSNorm with rms_norm_eps).
     qk_norm: bool
-    # Whether config.json's `sliding_window` windows every layer's attention (as in Mistral).
-    sliding_window: bool
+    # config.json field that must be true for `sliding_window` to window every layer's attention;
+    # None: `sliding_window` applies whenever set (as in Mistral).
+    window_switch: str | None
     # config.json field -> a check returning why its value cannot be imported (None: fine).
     refused: Mapping[str, Callable[[Any], str | None]]
 
@@ -109,7 +112,7 @@ MIXTRAL = MoEFamily(
     num_experts_field="num_local_experts",
     expert_size_field="intermediate_size",
     qk_norm=False,
-    sliding_window=True,
+    window_switch=None,
     refused={"router_jitter_noise": _refuse_if(lambda v: v != 0, "router jitter is not implemented (set it to 0)")},
 )
 QWEN3_MOE = MoEFamily(
@@ -120,11 +123,10 @@ QWEN3_MOE = MoEFamily(
     num_experts_field="num_experts",
     expert_size_field="moe_intermediate_size",
     qk_norm=True,
-    sliding_window=False,
+    window_switch="use_sliding_window",
     refused={
         "mlp_only_layers": _refuse_if(bool, "dense layers among the sparse ones are not implemented"),
         "decoder_sparse_step": _refuse_if(lambda v: v != 1, "only every layer sparse (1) is implemented"),
-        "use_sliding_window": _refuse_if(bool, "Qwen3-MoE's sliding window is not implemented"),
         "shared_expert_intermediate_size": _refuse_if(bool, "shared experts are not implemented"),
     },
 )
@@ -165,7 +167,7 @@ class MoEConverter:
     def llama(self) -> LlamaConverter:
         """The dense converter this one extends (its attention, norms, RoPE and embeddings)."""
         f = self.family
-        return LlamaConverter(model_type=f.model_type, architecture=f.architecture, sliding_window=f.sliding_window)
+        return LlamaConverter(model_type=f.model_type, architecture=f.architecture, sliding_window=True)
 
     # -- Configs ----------------------------------------------------------------------
 
@@ -183,9 +185,11 @@ class MoEConverter:
                 f"{where}: 'num_experts_per_tok' ({top_k}) exceeds the number of experts ({num_experts})."
             )
         expert_size = _positive_int(config, f.expert_size_field, where)
-        # Llama's reading, with the expert size as its MLP size and Qwen's sliding-window fields left out.
-        dense = {k: v for k, v in config.items() if f.sliding_window or k not in ("sliding_window", "use_sliding_window")}
-        data = self.llama.experiment({**dense, "intermediate_size": expert_size}, where)
+        # Llama's (Mistral's) reading, with the expert size as its MLP size and a switched-off window left out.
+        dense = {**config, "intermediate_size": expert_size}
+        if f.window_switch is not None and not config.get(f.window_switch, False):
+            dense["sliding_window"] = None
+        data = self.llama.experiment(dense, where)
         layer = data["model"]["decoder"]["layer"]
         if f.qk_norm:
             norm = dict(layer["norm"])  # rms_norm with rms_norm_eps, over each head's head_dim.
@@ -225,8 +229,7 @@ class MoEConverter:
                 norm_topk_prob=moe["gates"] == "renormalized",
                 decoder_sparse_step=1,
                 mlp_only_layers=[],
-                use_sliding_window=False,
-                sliding_window=None,
+                use_sliding_window=out["sliding_window"] is not None,
             )
         else:
             out.pop("attention_bias", None)
