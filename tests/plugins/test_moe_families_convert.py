@@ -7,6 +7,7 @@ bfloat16 and float16; unsupported config fields refused in one line naming them.
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -19,6 +20,7 @@ from safetensors.numpy import save_file  # noqa: E402
 
 import axcore  # noqa: E402
 from axcore.cli import main  # noqa: E402
+from axcore.run_loading import save_model  # noqa: E402
 
 from axcore_hf import axcore_to_hf, hf_to_axcore  # noqa: E402
 from axcore_hf.files import DTYPES, read_config, read_tensors, write_config  # noqa: E402
@@ -103,3 +105,23 @@ def test_families_are_registered_by_model_type():
     registries = axcore.create_plugin_manager(["hf", "moe_families"]).registries
     assert {"mixtral", "qwen3_moe"} <= set(registries.model_converters)
     assert registries.model_converters.entry("qwen3_moe").provenance.plugin == "moe_families"
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("moe.capacity_factor=1.25", "feed_forward.capacity_factor is 1.25 (the exported config.json gives None)"),
+        ("moe.every=2", "feed_forward is 'gated_feed_forward'; a "),
+    ],
+)
+def test_export_refuses_what_the_family_cannot_express(family, tmp_path, capsys, override, expected):
+    _, _, _, run = family
+    experiment = axcore.load_experiment(run / "experiment.yaml", [override])
+    model = experiment.config.model.instantiate(name="model", registries=experiment.registries)
+    save_model(experiment, jax.tree.map(lambda a: np.zeros(a.shape, np.float32), model.abstract_parameters()),
+               tmp_path / "run")
+    (tmp_path / "run" / "hf").symlink_to(run / "hf")  # The import's record: model type and config fields.
+    assert main(["convert", "axcore-to-hf", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err
+    assert not (tmp_path / "out").exists()

@@ -100,8 +100,15 @@ class MoEFamily:
     # config.json field that must be true for `sliding_window` to window every layer's attention;
     # None: `sliding_window` applies whenever set (as in Mistral).
     window_switch: str | None
+    # config.json's `norm_topk_prob` when it is absent (true: gates renormalized); None: the family always
+    # renormalizes and has no such field.
+    norm_topk_prob: bool | None
     # config.json field -> a check returning why its value cannot be imported (None: fine).
     refused: Mapping[str, Callable[[Any], str | None]]
+    # Fields written on export with these values (what `refused` accepts).
+    exported: Mapping[str, Any]
+    # Fields of Llama's config.json the family does not have (dropped on export).
+    not_fields: tuple[str, ...]
 
 
 MIXTRAL = MoEFamily(
@@ -113,7 +120,10 @@ MIXTRAL = MoEFamily(
     expert_size_field="intermediate_size",
     qk_norm=False,
     window_switch=None,
+    norm_topk_prob=None,
     refused={"router_jitter_noise": _refuse_if(lambda v: v != 0, "router jitter is not implemented (set it to 0)")},
+    exported={"router_jitter_noise": 0.0},
+    not_fields=("attention_bias", "mlp_bias"),
 )
 QWEN3_MOE = MoEFamily(
     model_type="qwen3_moe",
@@ -124,11 +134,14 @@ QWEN3_MOE = MoEFamily(
     expert_size_field="moe_intermediate_size",
     qk_norm=True,
     window_switch="use_sliding_window",
+    norm_topk_prob=False,
     refused={
         "mlp_only_layers": _refuse_if(bool, "dense layers among the sparse ones are not implemented"),
         "decoder_sparse_step": _refuse_if(lambda v: v != 1, "only every layer sparse (1) is implemented"),
         "shared_expert_intermediate_size": _refuse_if(bool, "shared experts are not implemented"),
     },
+    exported={"decoder_sparse_step": 1, "mlp_only_layers": []},
+    not_fields=("mlp_bias",),
 )
 
 
@@ -194,7 +207,7 @@ class MoEConverter:
         if f.qk_norm:
             norm = dict(layer["norm"])  # rms_norm with rms_norm_eps, over each head's head_dim.
             layer["self_attention"].update(q_norm=norm, k_norm=dict(norm))
-        renormalize = config.get("norm_topk_prob", True)  # Mixtral always renormalizes.
+        renormalize = f.norm_topk_prob is None or bool(config.get("norm_topk_prob", f.norm_topk_prob))
         data["plugins"].append("moe")
         data["moe"] = {
             "every": 1,
@@ -219,21 +232,17 @@ class MoEConverter:
                 f"{where}: model.decoder...feed_forward is {moe.get('type')!r}; a {f.architecture} has a "
                 f"mixture_of_experts (plugin moe, every: 1) in every layer."
             )
-        out.pop("mlp_bias", None)
+        for name in f.not_fields:
+            out.pop(name, None)
         count = next((n for n in EXPERT_COUNT_FIELDS if n in base), f.num_experts_field)
-        out.update({count: moe["num_experts"], "num_experts_per_tok": moe["top_k"]})
-        if f.model_type == QWEN3_MOE.model_type:
-            out.update(
-                moe_intermediate_size=moe["hidden_dim"],
-                intermediate_size=base.get("intermediate_size", moe["hidden_dim"]),  # Dense layers' size: none here.
-                norm_topk_prob=moe["gates"] == "renormalized",
-                decoder_sparse_step=1,
-                mlp_only_layers=[],
-                use_sliding_window=out["sliding_window"] is not None,
-            )
-        else:
-            out.pop("attention_bias", None)
-            out.setdefault("router_jitter_noise", 0.0)
+        out.update({count: moe["num_experts"], "num_experts_per_tok": moe["top_k"], **f.exported})
+        if f.expert_size_field != "intermediate_size":  # Then that one sizes dense layers (none here): kept.
+            out[f.expert_size_field] = moe["hidden_dim"]
+            out["intermediate_size"] = base.get("intermediate_size", moe["hidden_dim"])
+        if f.norm_topk_prob is not None:
+            out["norm_topk_prob"] = moe["gates"] == "renormalized"
+        if f.window_switch is not None:
+            out[f.window_switch] = out["sliding_window"] is not None
         return out
 
     # -- Parameters -------------------------------------------------------------------
