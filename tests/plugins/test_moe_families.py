@@ -2,8 +2,9 @@
 
 Tiny random models (moe_family_models.py: 2 layers, GQA, 4 experts, top-2, float32, eager
 attention). Logit parity over 2 x 24 tokens within 1e-4; greedy generation through
-`axcore generate` (KV cache) against transformers' `generate`. Exports, round trips and
-refusals: test_moe_families_convert.py; training: test_moe_families_training.py.
+`axcore generate` (KV cache) against transformers' `generate`; `axcore eval` against
+transformers' cross-entropy. Exports, round trips and refusals: test_moe_families_convert.py;
+training: test_moe_families_training.py.
 """
 
 import json
@@ -99,3 +100,15 @@ def test_sliding_window_in_logits_and_the_kv_cache(name, switch, tmp_path, capsy
     axcore_to_hf(tmp_path / "run", tmp_path / "out")
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     assert exported.config.sliding_window == 6 and np.abs(ours - hf_logits(exported)).max() < TOLERANCE
+
+
+def test_eval_loss_is_transformers_cross_entropy(family, tmp_path, capsys):
+    _, model, _, run = family
+    text = "The quick brown fox jumps over the lazy dog.\n"  # One document: 45 bytes, 44 predicted.
+    (tmp_path / "text.txt").write_text(text)
+    assert main(["eval", str(run), "--data", str(tmp_path / "text.txt"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    ids = torch.tensor([list(text.encode())])
+    with torch.no_grad():
+        expected = model(ids, labels=ids).loss.item()
+    assert result["tokens"] == len(text) - 1 and abs(result["loss"] - expected) < 1e-4, (result, expected)

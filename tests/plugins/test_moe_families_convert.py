@@ -24,6 +24,7 @@ from axcore.run_loading import save_model  # noqa: E402
 
 from axcore_hf import axcore_to_hf, hf_to_axcore  # noqa: E402
 from axcore_hf.files import DTYPES, read_config, read_tensors, write_config  # noqa: E402
+from axcore_moe_families import MIXTRAL, QWEN3_MOE, MoEConverter  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -125,3 +126,11 @@ def test_export_refuses_what_the_family_cannot_express(family, tmp_path, capsys,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and expected in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_qwen3_moe_without_norm_topk_prob_does_not_renormalize():
+    # transformers' Qwen3MoeConfig defaults norm_topk_prob to false; Mixtral always renormalizes.
+    config = {k: v for k, v in CONFIGS["qwen3_moe"]().to_dict().items() if k != "norm_topk_prob"}
+    assert MoEConverter(QWEN3_MOE).experiment(config, "config.json")["moe"]["gates"] == "probabilities"
+    config = {**CONFIGS["mixtral"]().to_dict(), "norm_topk_prob": False}
+    assert MoEConverter(MIXTRAL).experiment(config, "config.json")["moe"]["gates"] == "renormalized"
