@@ -6,6 +6,7 @@ bfloat16 and float16; unsupported config fields refused in one line naming them.
 """
 
 import json
+import pathlib
 
 import jax
 import numpy as np
@@ -24,7 +25,7 @@ from axcore.run_loading import save_model  # noqa: E402
 
 from axcore_hf import axcore_to_hf, hf_to_axcore  # noqa: E402
 from axcore_hf.files import DTYPES, read_config, read_tensors, write_config  # noqa: E402
-from axcore_moe_families import MIXTRAL, QWEN3_MOE, MoEConverter  # noqa: E402
+from axcore_moe_families import MIXTRAL, QWEN3_MOE, MoEConverter, converter  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -134,3 +135,15 @@ def test_qwen3_moe_without_norm_topk_prob_does_not_renormalize():
     assert MoEConverter(QWEN3_MOE).experiment(config, "config.json")["moe"]["gates"] == "probabilities"
     config = {**CONFIGS["mixtral"]().to_dict(), "norm_topk_prob": False}
     assert MoEConverter(MIXTRAL).experiment(config, "config.json")["moe"]["gates"] == "renormalized"
+
+
+def test_the_core_holds_no_line_of_these_families():
+    # Their names and distinctive config.json keys and tensor names appear only in the plugins.
+    words = ("mixtral", "qwen3_moe", "qwen3moe", "norm_topk_prob", "num_local_experts", "num_experts_per_tok",
+             "block_sparse_moe", "moe_intermediate_size", "decoder_sparse_step", "router_jitter_noise")
+    core = pathlib.Path(axcore.__file__).parent
+    found = [f"{path.relative_to(core)}: {word}" for path in core.rglob("*.py")
+             for word in words if word in path.read_text("utf-8").lower()]
+    assert found == []
+    plugin = "".join(path.read_text("utf-8").lower() for path in pathlib.Path(converter.__file__).parent.glob("*.py"))
+    assert [word for word in words if word not in plugin] == []  # The words are the ones the plugin uses.
