@@ -21,7 +21,9 @@ rows and batch sharding stays local). Slots are given in position order: the
 choice rank, and the ones ranked at or past `capacity` are dropped for that expert
 (they contribute 0; the other choices of the token still count, with their gates
 unchanged). Whether a token is dropped thus depends only on it and the tokens
-before it, so the layer stays causal. `capacity_factor=None` never drops.
+before it, so the layer stays causal. `capacity_factor=None` never drops (capacity = seq,
+as imported Mixtral and Qwen3-MoE models need for parity with transformers); the one-hot
+dispatch and combine then hold `[batch, seq, E, seq]` values, E x seq^2 per sequence.
 
 Auxiliary losses, over all tokens of the batch (before dropping):
 
