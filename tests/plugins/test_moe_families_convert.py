@@ -21,7 +21,7 @@ from safetensors.numpy import save_file  # noqa: E402
 
 import axcore  # noqa: E402
 from axcore.cli import main  # noqa: E402
-from axcore.run_loading import save_model  # noqa: E402
+from axcore.run_loading import load_model, save_model  # noqa: E402
 
 from axcore_hf import axcore_to_hf, hf_to_axcore  # noqa: E402
 from axcore_hf.files import DTYPES, read_config, read_tensors, write_config  # noqa: E402
@@ -147,3 +147,14 @@ def test_the_core_holds_no_line_of_these_families():
     assert found == []
     plugin = "".join(path.read_text("utf-8").lower() for path in pathlib.Path(converter.__file__).parent.glob("*.py"))
     assert [word for word in words if word not in plugin] == []  # The words are the ones the plugin uses.
+
+
+def test_export_ignores_the_training_only_router_losses(family, tmp_path):
+    name, model, _, run = family
+    experiment = axcore.load_experiment(run / "experiment.yaml", ["moe.load_balance_loss_weight=0.05",
+                                                                  "moe.router_z_loss_weight=0.0"])
+    save_model(experiment, load_model(run).params, tmp_path / "run")
+    (tmp_path / "run" / "hf").symlink_to(run / "hf")
+    axcore_to_hf(tmp_path / "run", tmp_path / "out")  # Fine-tuned with other aux-loss weights: still that model.
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert np.abs(hf_logits(exported) - hf_logits(model)).max() < TOLERANCE
