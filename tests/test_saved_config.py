@@ -98,7 +98,7 @@ def test_a_resolved_config_keeps_its_plugins(tmp_path):
 FEATURES = {"alibi", "moe", "remat", "rope", "swiglu"}
 PLUGINS_DIR = pathlib.Path(__file__).parents[1] / "plugins"
 # Plugin directories that hold no model feature (they add tokenizers or converters, not config transforms of the model).
-NOT_FEATURES = {"hf", "tokenizers"}
+NOT_FEATURES = {"hf", "moe_families", "tokenizers"}
 COMBINATIONS = {
     "default": [["rope", "swiglu", "moe"], ["alibi", "moe", "swiglu"]],
     "scan": [["rope", "swiglu", "moe", "remat"], ["alibi", "swiglu", "moe", "remat"]],

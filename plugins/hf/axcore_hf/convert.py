@@ -52,7 +52,8 @@ KEPT_FILES = (
 TOKENIZER_PLUGIN = "hf_tokenizer"
 # Config paths that do not change what a model computes from its parameters (ignored when checking an export).
 NUMERICALLY_IRRELEVANT = {"param_dtype", "compute_dtype", "param_init", "kernels", "op_extras", "remat_policy",
-                          "unroll", "kernel", "dropout_rate", "z_loss_scale"}
+                          "unroll", "kernel", "dropout_rate", "z_loss_scale",
+                          "load_balance_loss_weight", "router_z_loss_weight"}  # The last two: training-only MoE losses.
 # Rotary fields that matter only under some `scaling` (ignored when checking an export under another).
 SCALING_FIELDS = {"scaling_factor", "original_max_len", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"}
 

@@ -4,7 +4,7 @@ Enable with `plugins: [moe]`; settings live under `moe:` (see `MoESettings`).
 Importing this package registers nothing; axcore calls the hooks in `plugin`.
 """
 
-from axcore_moe.layer import MixtureOfExperts, Routing
+from axcore_moe.layer import Gates, MixtureOfExperts, Routing
 from axcore_moe.plugin import MoESettings
 
-__all__ = ["MixtureOfExperts", "MoESettings", "Routing"]
+__all__ = ["Gates", "MixtureOfExperts", "MoESettings", "Routing"]

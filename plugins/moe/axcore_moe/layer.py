@@ -8,7 +8,10 @@ For x `[batch, seq, dim]`, per token and in float32:
 
     probs   = softmax(x @ router)                          [batch, seq, E]
     top_k   = the k largest probs p_1..p_k, experts e_1..e_k
-    gates   = p_j / (p_1 + ... + p_k)                      (renormalized to sum to 1)
+    gates   = p_j / (p_1 + ... + p_k)                      (gates=renormalized: sum to 1, as Mixtral;
+                                                            == softmax over the k top logits)
+            = p_j                                          (gates=probabilities: Qwen3-MoE's
+                                                            norm_topk_prob false)
     y       = sum over kept j of gates_j * expert_{e_j}(x)
 
 Capacity. Each expert has `capacity = min(seq, ceil(capacity_factor * seq * k / E))`
@@ -18,7 +21,9 @@ rows and batch sharding stays local). Slots are given in position order: the
 choice rank, and the ones ranked at or past `capacity` are dropped for that expert
 (they contribute 0; the other choices of the token still count, with their gates
 unchanged). Whether a token is dropped thus depends only on it and the tokens
-before it, so the layer stays causal. `capacity_factor=None` never drops.
+before it, so the layer stays causal. `capacity_factor=None` never drops (capacity = seq,
+as imported Mixtral and Qwen3-MoE models need for parity with transformers); the one-hot
+dispatch and combine then hold `[batch, seq, E, seq]` values, E x seq^2 per sequence.
 
 Auxiliary losses, over all tokens of the batch (before dropping):
 
@@ -33,6 +38,7 @@ to the loss); each unweighted part and the dropped fractions are summaries.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Annotated, NamedTuple
 
@@ -53,6 +59,15 @@ from axcore.sharding import mesh_axes_of, resolve_rules
 EXPERT_IO_AXES = ("expert", "batch", None, "embed")
 
 
+class Gates(enum.Enum):
+    """How the k chosen experts' outputs are weighted (the module docstring's `gates`)."""
+
+    # Their probabilities divided by their sum (sum to 1): GShard, Switch, Mixtral, norm_topk_prob true.
+    RENORMALIZED = "renormalized"
+    # Their softmax probabilities over all experts as they are (sum <= 1): Qwen-MoE's norm_topk_prob false.
+    PROBABILITIES = "probabilities"
+
+
 class Routing(NamedTuple):
     """What the router decided for x `[batch, seq, dim]`, with k = top_k and E = num_experts."""
 
@@ -62,7 +77,7 @@ class Routing(NamedTuple):
     probs: jax.Array
     # The k chosen experts per token, by descending probability `[batch, seq, k]`.
     experts: jax.Array
-    # Their probabilities renormalized to sum to 1 `[batch, seq, k]`.
+    # Their weights `[batch, seq, k]` (Config.gates: renormalized to sum to 1, or the probabilities).
     gates: jax.Array
     # Rank of each assignment among its sequence's assignments to that expert `[batch, seq, k]`.
     slot: jax.Array
@@ -88,6 +103,8 @@ class MixtureOfExperts(BaseLayer):
         # input_dim and hidden_dim fields (e.g. feed_forward, or swiglu's gated_feed_forward); this layer
         # sets both, and stacks its parameters on a leading "expert" axis.
         expert: InstantiableConfig = FeedForward.default_config()
+        # Weights of the k chosen experts: renormalized to sum to 1, or their probabilities as they are.
+        gates: Gates = Gates.RENORMALIZED
         # Slots per expert per sequence: ceil(capacity_factor * seq * top_k / num_experts); None never drops.
         capacity_factor: Annotated[float, Positive] | None = 1.25
         # Weight of the load-balancing loss in `aux_loss`.
@@ -143,7 +160,9 @@ class MixtureOfExperts(BaseLayer):
         # ordered by (position, choice rank); ranks past the capacity are dropped.
         ranks = jnp.cumsum(assign.reshape(x.shape[0], -1, cfg.num_experts), axis=1).reshape(assign.shape) - 1
         slot = jnp.sum(ranks * assign, axis=-1)
-        gates = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+        gates = top_probs
+        if cfg.gates is Gates.RENORMALIZED:
+            gates = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
         return Routing(logits, probs, experts, gates, slot, slot < self.capacity(x.shape[1]))
 
     def forward(self, x: jax.Array) -> jax.Array:

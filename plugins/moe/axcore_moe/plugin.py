@@ -21,7 +21,7 @@ from axcore.config import Depth, NonNegative, Positive, Width, get_path, is_conf
 from axcore.errors import ConfigError
 from axcore.layers import RepeatedTransformer, StackedTransformer
 
-from axcore_moe.layer import MixtureOfExperts
+from axcore_moe.layer import Gates, MixtureOfExperts
 
 
 class MoESettings(ConfigBase):
@@ -33,6 +33,8 @@ class MoESettings(ConfigBase):
     num_experts: Annotated[int, Width] = 8
     # Number of experts each token is routed to.
     top_k: Annotated[int, Width] = 2
+    # Weights of the k chosen experts: renormalized (sum to 1) or the softmax probabilities as they are.
+    gates: Gates = Gates.RENORMALIZED
     # Expert slots per sequence: ceil(capacity_factor * seq * top_k / num_experts); null never drops.
     capacity_factor: Annotated[float, Positive] | None = 1.25
     # Weight of the load-balancing loss.

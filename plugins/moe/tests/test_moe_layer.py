@@ -11,7 +11,7 @@ import axcore
 from axcore.errors import ConfigError
 from axcore.layers import Activation, CausalLM, FeedForward
 
-from axcore_moe import MixtureOfExperts
+from axcore_moe import Gates, MixtureOfExperts
 
 D, H = 8, 16
 
@@ -68,8 +68,8 @@ def test_one_expert_without_dropping_is_the_dense_feed_forward(gated):
     np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
 
 
-def _np_reference(params, x, *, top_k, capacity_factor):
-    """Per-token loop: softmax, top-k, renormalize, slots in (position, choice) order per sequence."""
+def _np_reference(params, x, *, top_k, capacity_factor, renormalize=True):
+    """Per-token loop: softmax, top-k, renormalize (or not), slots in (position, choice) order per sequence."""
     router = np.asarray(params["router"], np.float64)
     up = np.asarray(params["expert"]["up_proj"]["weight"], np.float64)
     down = np.asarray(params["expert"]["down_proj"]["weight"], np.float64)
@@ -86,7 +86,7 @@ def _np_reference(params, x, *, top_k, capacity_factor):
         used = np.zeros(e, int)  # Assignments to each expert so far in this sequence.
         for j in range(t):
             experts = np.argsort(-probs[i, j])[:top_k]
-            gates = probs[i, j, experts] / probs[i, j, experts].sum()
+            gates = probs[i, j, experts] / (probs[i, j, experts].sum() if renormalize else 1.0)
             chosen[i, j] = experts
             for c, (expert, gate) in enumerate(zip(experts, gates)):
                 if used[expert] < capacity:
@@ -125,6 +125,19 @@ def test_routing_dropping_and_aux_losses_match_numpy(capacity_factor, moe_regist
             for expert in range(4):
                 served = kept[i][chosen[i] == expert]
                 assert served.sum() == min(2, served.size) and served[: served.sum()].all()
+
+
+def test_unnormalized_gates_weigh_experts_by_their_probabilities(moe_registries):
+    # Qwen-MoE's norm_topk_prob false: the k gates are the softmax probabilities, summing to less than 1.
+    moe, params = _moe(moe_registries, num_experts=4, top_k=2, capacity_factor=None, gates=Gates.PROBABILITIES)
+    x = _x(b=2, t=8)
+    y, *_ = _np_reference(params, x, top_k=2, capacity_factor=None, renormalize=False)
+    renormalized, *_ = _np_reference(params, x, top_k=2, capacity_factor=None)
+    assert np.abs(y - renormalized).max() > 1e-2  # The two weightings differ here.
+    routing, _ = _apply(moe, params, x, method="route")
+    assert float(jnp.max(jnp.sum(routing.gates, -1))) < 1 - 1e-3
+    out, _ = _apply(moe, params, x)
+    np.testing.assert_allclose(out, y, rtol=1e-4, atol=1e-5)
 
 
 def test_aux_loss_is_added_to_the_causal_lm_loss_exactly(moe_registries):
