@@ -263,8 +263,8 @@ def _cmd_prepare(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from axcore.distributed import distributed_settings
     from axcore.experiment import load_experiment
+    from axcore.platform.distributed import distributed_settings
     from axcore.trainer.trainer import Trainer
 
     distributed = distributed_settings(args.coordinator, args.num_processes, args.process_id)

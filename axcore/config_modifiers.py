@@ -4,7 +4,7 @@ A modifier is a callable `modifier(config) -> new config` over the experiment's
 config (`ExperimentConfig`); it never edits its input, and it raises a
 `ConfigError` (`NoMatchError` when its target matches nothing) naming itself and its
 target. A mesh rule applies its modifiers in order, after the plugins' config
-transforms (see `axcore.mesh`). Modifiers set what they name over what the
+transforms (see `axcore.platform.mesh`). Modifiers set what they name over what the
 experiment set (they are the layout's decisions), with two exceptions: explicit
 `mesh.*` fields of the experiment win over the rule and its modifiers, and
 `compute_dtype(..., override=False)` keeps dtypes the experiment set.

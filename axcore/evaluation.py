@@ -45,8 +45,8 @@ import numpy as np
 
 from axcore.data import PAD_LABEL, DataError, Split, TextFiles, TextFormat, TokenDtype, TokenFile
 from axcore.data.schema import BATCH_SCHEMA
-from axcore.distributed import is_primary
 from axcore.errors import AxcoreError
+from axcore.platform.distributed import is_primary
 from axcore.run_loading import LoadedModel, load_model_and_step
 from axcore.trainer.inputs import input_pipeline
 

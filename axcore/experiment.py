@@ -38,7 +38,6 @@ import yaml
 from axcore.config import ConfigBase, dump_flat, from_dict, parse_override, raise_collected
 from axcore.config.serialize import flatten, format_value, nest_path, to_dict
 from axcore.data.schema import BATCH_SCHEMA
-from axcore.distributed import DistributedSettings, initialize_distributed
 from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
 from axcore.experiment_files import SearchResult, builtin_experiments, read_experiment_file, search_plugins
 from axcore.experiment_mesh import layout_mesh, local_mesh_rules
@@ -57,11 +56,12 @@ from axcore.kernels import (
     record_kernel_choices,
     record_kernel_decisions,
 )
-from axcore.mesh import instance_platform
 from axcore.module import deep_merge, functional
+from axcore.platform.distributed import DistributedSettings, initialize_distributed
+from axcore.platform.mesh import instance_platform
+from axcore.platform.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
 from axcore.plugins import AxcorePluginManager, PluginRequest, create_plugin_manager, probe_instance_type
 from axcore.validation import check_sizes, validate_experiment
-from axcore.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
 
 __all__ = [
     "RESOLVED_KEY",
@@ -223,12 +223,12 @@ def load_experiment(
         platform: hardware platform whose plugin is autoloaded; None = the platform of
             the selected `mesh.instance_type` (its prefix: `gpu-h100-8` -> gpu), so a GPU
             experiment resolves on a CPU machine, else this machine's (probed without
-            starting JAX where a plugin can tell, see `axcore.xla_flags`).
+            starting JAX where a plugin can tell, see `axcore.platform.xla_flags`).
         apply_xla_flags: set the resolved `xla_flags` in the XLA_FLAGS environment
             variable before JAX's backend starts (what `axcore train` does). Applied
             only when the instance type is this machine's platform and was known
             before the backend started; otherwise a warning names what was not applied.
-        distributed: join this multi-process job (`axcore.distributed`) right after the
+        distributed: join this multi-process job (`axcore.platform.distributed`) right after the
             XLA flags are set and before JAX's backend starts (devices are counted over
             every process).
 

@@ -3,7 +3,7 @@
 `layout_mesh` is step "mesh rules" of DESIGN.md's "How an experiment becomes a
 running program": the experiment's own `mesh_rules:` (checked by `local_mesh_rules`)
 and the registered rules are matched against `mesh.instance_type` by the precedence
-in `axcore.mesh`; mesh fields the experiment set itself win over the rule and its
+in `axcore.platform.mesh`; mesh fields the experiment set itself win over the rule and its
 modifiers.
 
 Layer: experiment (imports config modifiers, mesh, the schema; never the loader).
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from axcore.config_modifiers import apply_modifier, build_modifier, describe_modifier
 from axcore.errors import AxcoreError, ConfigError, MissingRequiredError, UnknownComponentError, did_you_mean
 from axcore.experiment_schema import ExperimentConfig
-from axcore.mesh import MeshRule, detect_instance_type, select_mesh_rule
+from axcore.platform.mesh import MeshRule, detect_instance_type, select_mesh_rule
 
 if TYPE_CHECKING:
     from axcore.plugins import AxcorePluginManager
@@ -31,7 +31,7 @@ def layout_mesh(config: ExperimentConfig, manager: AxcorePluginManager) -> tuple
 
     The rule is `mesh.rule` if set, else the first of the experiment's `mesh_rules:`
     and the registered rules that matches `mesh.instance_type` (detected if unset),
-    by the precedence in `axcore.mesh`. Unset `mesh.*` fields are filled from the
+    by the precedence in `axcore.platform.mesh`. Unset `mesh.*` fields are filled from the
     rule, then its modifiers run in order; mesh fields the experiment set win over
     both. `config` itself is not changed.
 

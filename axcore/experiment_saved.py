@@ -8,7 +8,7 @@ already happened to it:
     resolved_by:
       axcore: 0.1.0                          # the version that resolved it
       plugins: [rope, swiglu]                # plugins whose config transforms ran, in order
-      mesh_rule: default (plugin axcore.mesh)  # the mesh rule applied ...
+      mesh_rule: default (plugin axcore.platform.mesh)  # the mesh rule applied ...
       mesh_modifiers: []                     # ... and the config modifiers it ran
     plugins: [rope, swiglu]
     rope: {theta: 10000.0}

@@ -45,7 +45,7 @@ class MeshConfig(ConfigBase):
 
 
 class MeshRuleConfig(ConfigBase):
-    """An experiment's own mesh rule (a `mesh_rules:` entry); precedence in `axcore.mesh`."""
+    """An experiment's own mesh rule (a `mesh_rules:` entry); precedence in `axcore.platform.mesh`."""
 
     # Rule name (shown as mesh.rule; mesh.rule may name it).
     name: str = REQUIRED
@@ -89,7 +89,7 @@ class ExperimentConfig(ConfigBase):
     trainer: TrainerConfig = TrainerConfig()
     # Device mesh.
     mesh: MeshConfig = MeshConfig()
-    # The experiment's own mesh rules, tried before registered ones (see axcore.mesh).
+    # The experiment's own mesh rules, tried before registered ones (see axcore.platform.mesh).
     mesh_rules: list[MeshRuleConfig] = []
     # XLA flags {name: value} (no leading --) over the plugins' for the instance type; null removes one.
     xla_flags: dict[str, Any] = {}

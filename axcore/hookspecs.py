@@ -47,20 +47,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from axcore.checkpoint.interop import converter_validator
 from axcore.commands import command_callback, command_validator
 from axcore.config import Configurable
 from axcore.data.tokenizer import Tokenizer
 from axcore.experiments import experiment_source_validator
-from axcore.interop import converter_validator
 from axcore.kernels.registry import KernelRegistry, OpRegistry, fixed_op_callback
 from axcore.layers.position import PositionEmbedding
 from axcore.learning.objectives import Objective
 from axcore.learning.optimizers import Optimizer
 from axcore.learning.schedules import Schedule
 from axcore.markers import PROJECT_NAME, hookimpl, hookspec
-from axcore.mesh import MeshRule
 from axcore.module import Module
 from axcore.observe.factories import MetricsWriterFactory
+from axcore.platform.mesh import MeshRule
 from axcore.register_callbacks import RegisterCommand, RegisterComponent, RegisterKernel, RegisterNamed
 from axcore.registry import (
     Family,
@@ -201,13 +201,13 @@ def axcore_register_mesh_rules(register: RegisterNamed) -> None:
     """Register mesh rules mapping instance types to meshes and config modifiers.
 
     Args:
-        register: `register(rule, *, override=False)` with an `axcore.mesh.MeshRule`.
+        register: `register(rule, *, override=False)` with an `axcore.platform.mesh.MeshRule`.
 
     Returns nothing. Called like the other registration hooks. The first rule whose
     pattern matches the instance type applies, by descending priority; at equal
     priority the experiment's own `mesh_rules:` come first, then registered rules by
     name, and two registered rules of equal priority from different plugins that both
-    match are an error naming both (see `axcore.mesh`). Registration order never decides.
+    match are an error naming both (see `axcore.platform.mesh`). Registration order never decides.
     """
 
 
@@ -400,7 +400,7 @@ def axcore_register_model_converters(register: RegisterComponent) -> None:
     Args:
         register: `register(model_type, converter, *, override=False)`; `model_type`
             is the outside format's name of the family (Hugging Face `config.json`'s
-            `model_type`, e.g. `llama`) and `converter` an `axcore.interop.ModelConverter`
+            `model_type`, e.g. `llama`) and `converter` an `axcore.checkpoint.interop.ModelConverter`
             instance (experiment and outside config both ways, parameters both ways).
 
     Returns nothing. Called like the other registration hooks. `axcore convert`

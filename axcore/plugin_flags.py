@@ -4,7 +4,7 @@ The plugin manager calls the hooks, one enabled plugin at a time in its order, a
 hands the answers here as `(plugin name, distribution, answer)` triples; these
 functions only merge them, so a conflict is reported naming both plugins whatever
 the order. The experiment's own `xla_flags:` and the XLA_FLAGS environment variable
-are applied on top later (`axcore.xla_flags.resolve_xla_flags`, `apply_xla_flags`).
+are applied on top later (`axcore.platform.xla_flags.resolve_xla_flags`, `apply_xla_flags`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from axcore.errors import PluginConflictError, PluginLoadError
-from axcore.xla_flags import check_flag_name, flag_value
+from axcore.platform.xla_flags import check_flag_name, flag_value
 
 # The variable carrying XLA's flags when no plugin names another.
 DEFAULT_FLAGS_ENVIRONMENT = "XLA_FLAGS"

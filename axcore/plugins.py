@@ -105,7 +105,7 @@ __all__ = [
 BUILTIN_PLUGINS = (
     "axcore.layers.plugin",
     "axcore.kernels.plugin",
-    "axcore.mesh",
+    "axcore.platform.mesh",
     "axcore.config_modifiers",
     "axcore.data.plugin",
     "axcore.checkpoint.plugin",

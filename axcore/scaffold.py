@@ -172,7 +172,7 @@ from __future__ import annotations
 import re
 
 from axcore import hookimpl
-from axcore.mesh import MeshRule
+from axcore.platform.mesh import MeshRule
 
 # Instance types of this hardware: `$name-8` is 8 devices.
 INSTANCE_TYPE = r"$name-\\d+"

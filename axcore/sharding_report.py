@@ -5,7 +5,7 @@ experiment's `mesh.mesh_shape` (a -1 is resolved with the device count of
 `mesh.instance_type`, e.g. 8 for `cpu-8` or `gpu-h100-8`, else of this machine), the
 parameters and optimizer state are abstract (`ParameterSpec`s and `jax.eval_shape` of
 the optimizer's init), and their shardings are the ones the Trainer uses
-(`axcore.sharding`, `axcore.trainer.step.opt_state_shardings`). So a layout for a
+(`axcore.platform.sharding`, `axcore.trainer.step.opt_state_shardings`). So a layout for a
 selector bigger than this machine can be checked here.
 
 Output (`format_sharding_report`): a header with the mesh and the axis rules, one line
@@ -27,9 +27,9 @@ import jax
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from axcore.data.schema import BATCH_SCHEMA
-from axcore.mesh import InstanceType
 from axcore.params import ParameterSpec
-from axcore.sharding import (
+from axcore.platform.mesh import InstanceType
+from axcore.platform.sharding import (
     batch_sharding,
     check_batch_size,
     parameter_specs_to_partition,

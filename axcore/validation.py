@@ -36,8 +36,8 @@ from axcore.config import (
     walk,
 )
 from axcore.errors import AxcoreError, did_you_mean, one_line
-from axcore.mesh import instance_platform
 from axcore.params import ParameterSpec
+from axcore.platform.mesh import instance_platform
 
 # Directories a run directory may never be put under (kernel interfaces, not storage).
 _FORBIDDEN_ROOTS = ("/proc", "/sys", "/dev")

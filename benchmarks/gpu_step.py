@@ -164,7 +164,7 @@ def select_attention(experiment, trainer, shape: LlamaShape, attention: str) -> 
     from axcore.errors import AxcoreError
     from axcore.kernels import ATTENTION, AttentionProblem
     from axcore.layers.attention import QKV_AXES
-    from axcore.sharding import activation_spec
+    from axcore.platform.sharding import activation_spec
 
     kernels = experiment.registries.kernels
     names = sorted(k.name for k in kernels.candidates(ATTENTION))

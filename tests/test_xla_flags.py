@@ -15,8 +15,8 @@ import axcore.experiment
 import axcore.instance_probe
 from axcore.errors import ConfigError, PluginConflictError, PluginLoadError
 from axcore.experiment import load_experiment
+from axcore.platform.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
 from axcore.plugins import probe_instance_type
-from axcore.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
 
 import tiny
 

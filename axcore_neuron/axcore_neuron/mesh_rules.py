@@ -51,9 +51,9 @@ from typing import Any, Literal
 from axcore.config import InstantiableConfig, get_path, walk
 from axcore.config_modifiers import REMAT_POLICIES, Modifier, compute_dtype, matching_configs
 from axcore.errors import ConfigError
-from axcore.mesh import MeshRule
 from axcore.params import ParameterSpec
-from axcore.sharding import resolve_rules
+from axcore.platform.mesh import MeshRule
+from axcore.platform.sharding import resolve_rules
 
 from axcore_neuron.instance_types import TRN1, TRN2, TRN2_LNC1, NeuronKind, require_instance_type
 

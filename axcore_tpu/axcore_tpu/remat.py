@@ -37,7 +37,7 @@ import jax
 from axcore.config import get_path, walk
 from axcore.config_modifiers import Modifier, matching_configs, remat
 from axcore.errors import AxcoreError, ConfigError, NoMatchError
-from axcore.mesh import instance_platform
+from axcore.platform.mesh import instance_platform
 
 # The transformer layers of axcore's decoders: decoder.layer0, layer1, ... (stacked) or
 # decoder.layer (the unit a RepeatedTransformer scans).

@@ -45,7 +45,7 @@ def test_every_recommended_flag_is_known_to_this_jaxlib():
     # XLA aborts on an unknown flag in XLA_FLAGS when any backend starts (its GPU flags are
     # parsed on CPU too), so a renamed or removed flag fails here rather than on a cluster.
     flags = gpu_xla_flags("gpu-h100-16")
-    out = _start_backend_with(axcore.xla_flags.format_xla_flags(flags))
+    out = _start_backend_with(axcore.platform.xla_flags.format_xla_flags(flags))
     assert out.returncode == 0 and out.stdout.strip() == "3.0", out.stderr[-1000:]
     bogus = _start_backend_with("--xla_gpu_no_such_flag_for_axcore=true")
     assert bogus.returncode != 0 and "Unknown flag" in bogus.stderr

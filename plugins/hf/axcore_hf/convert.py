@@ -35,9 +35,9 @@ import jax
 import numpy as np
 import yaml
 
+from axcore.checkpoint.interop import ConversionError, ModelConverter
 from axcore.errors import AxcoreError, did_you_mean
 from axcore.experiment import load_experiment, search_plugins
-from axcore.interop import ConversionError, ModelConverter
 from axcore.plugins import installed_entry_points
 from axcore.run_loading import load_model, save_model
 

@@ -28,7 +28,7 @@ process-local data (`axcore.data.device_loader`). Only process 0 writes the run'
 and progress; checkpoints are written by every process (each its own shards).
 
 When a process dies, the others stop too, since none can go on alone: at once, with a
-message naming the lost process and exit status 75, through `axcore.peer_watch` (off
+message naming the lost process and exit status 75, through `axcore.platform.peer_watch` (off
 with `AXCORE_WATCH_PEERS=0`); a process lost silently (host down, network cut) is caught
 by JAX's heartbeat after `heartbeat_timeout` seconds (`AXCORE_HEARTBEAT_TIMEOUT`), which
 aborts the others. Restarting all processes with the same run directory resumes from the
@@ -86,7 +86,7 @@ class DistributedSettings:
     initialization_timeout: int = 300
     # Seconds without a heartbeat before JAX counts a process as lost and aborts the others (JAX's default).
     heartbeat_timeout: int = 100
-    # Stop at once with a clear message (exit 75) when another process dies (`axcore.peer_watch`).
+    # Stop at once with a clear message (exit 75) when another process dies (`axcore.platform.peer_watch`).
     watch_peers: bool = True
 
 
@@ -182,7 +182,7 @@ def _with_failure_settings(settings: DistributedSettings, environ: Mapping[str, 
 def initialize_distributed(settings: DistributedSettings | None) -> None:
     """Joins the job (`jax.distributed.initialize`); nothing for None. Before JAX's backend starts.
 
-    Then, with `settings.watch_peers`, starts `axcore.peer_watch` (its address broadcast
+    Then, with `settings.watch_peers`, starts `axcore.platform.peer_watch` (its address broadcast
     starts the backend: XLA flags must be set by then, as `load_experiment` does).
 
     Raises:
@@ -207,7 +207,7 @@ def initialize_distributed(settings: DistributedSettings | None) -> None:
         ) from e
     logger.info("Joined as process %d of %d.", jax.process_index(), jax.process_count())
     if settings.watch_peers:
-        from axcore import peer_watch
+        from axcore.platform import peer_watch
 
         host = settings.coordinator_address.rsplit(":", 1)[0] if settings.coordinator_address else None
         peer_watch.start(jax.process_index(), jax.process_count(), host)
