@@ -37,11 +37,11 @@ _EXPORTS = {
         "UnknownFieldError",
         "UnknownPluginError",
     ],
-    "axcore.hookspecs": ["PLUGIN_API_VERSION"],
+    "axcore.plugin.hookspecs": ["PLUGIN_API_VERSION"],
     "axcore.markers": ["hookimpl", "hookspec"],
     "axcore.module": ["InvocationContext", "Module", "OutputCollection", "functional"],
     "axcore.params": ["ParameterSpec"],
-    "axcore.plugins": ["AxcorePluginManager", "PluginRequest", "create_plugin_manager"],
+    "axcore.plugin.loading": ["AxcorePluginManager", "PluginRequest", "create_plugin_manager"],
     "axcore.registry": ["Registries", "Registry"],
     "axcore.experiment": ["Experiment", "ExperimentConfig", "load_experiment"],
 }
@@ -78,9 +78,9 @@ if TYPE_CHECKING:
         UnknownPluginError,
     )
     from axcore.experiment import Experiment, ExperimentConfig, load_experiment
-    from axcore.hookspecs import PLUGIN_API_VERSION
     from axcore.markers import hookimpl, hookspec
     from axcore.module import InvocationContext, Module, OutputCollection, functional
     from axcore.params import ParameterSpec
-    from axcore.plugins import AxcorePluginManager, PluginRequest, create_plugin_manager
+    from axcore.plugin.hookspecs import PLUGIN_API_VERSION
+    from axcore.plugin.loading import AxcorePluginManager, PluginRequest, create_plugin_manager
     from axcore.registry import Registries, Registry

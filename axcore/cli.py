@@ -21,7 +21,7 @@ Only argparse (and the names of the built-in commands) is imported at module lev
 so `axcore --help` never imports JAX. Plugin commands (`axcore_register_commands`)
 are run by building plugin managers, only when the first argument is not a built-in
 command; `axcore --help` lists them without loading any plugin, read from the
-plugins' sources (`axcore.commands.listed_plugin_commands`). Bad input (an
+plugins' sources (`axcore.plugin.commands.listed_plugin_commands`). Bad input (an
 AxcoreError) prints one line and exits with status 2.
 """
 
@@ -33,8 +33,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from axcore.commands import BUILTIN_COMMANDS, listed_plugin_commands
 from axcore.errors import one_line
+from axcore.plugin.commands import BUILTIN_COMMANDS, listed_plugin_commands
 
 EXIT_USAGE = 2
 # After Ctrl-C (128 + SIGINT), as shells report it; axcore/trainer/interrupt.py's EXIT_INTERRUPTED.

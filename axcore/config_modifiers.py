@@ -111,7 +111,7 @@ def _compile(modifier: Modifier, paths: str) -> re.Pattern:
 
 
 def _builtin_registries() -> Any:
-    from axcore.plugins import builtin_registries  # Deferred: the plugin manager imports this module.
+    from axcore.plugin.loading import builtin_registries  # Deferred: the plugin manager imports this module.
 
     return builtin_registries()
 

@@ -60,7 +60,7 @@ from axcore.module import deep_merge, functional
 from axcore.platform.distributed import DistributedSettings, initialize_distributed
 from axcore.platform.mesh import instance_platform
 from axcore.platform.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
-from axcore.plugins import AxcorePluginManager, PluginRequest, create_plugin_manager, probe_instance_type
+from axcore.plugin.loading import AxcorePluginManager, PluginRequest, create_plugin_manager, probe_instance_type
 from axcore.validation import check_sizes, validate_experiment
 
 __all__ = [

@@ -19,7 +19,7 @@ from axcore.config.safe_yaml import read_file as read_yaml_file
 from axcore.config.serialize import safe_load
 from axcore.errors import ConfigError, PluginError, did_you_mean
 from axcore.experiments import experiment_text
-from axcore.plugins import BUILTIN_DISTRIBUTION, autoload_disabled, create_plugin_manager, installed_entry_points
+from axcore.plugin.loading import BUILTIN_DISTRIBUTION, autoload_disabled, create_plugin_manager, installed_entry_points
 from axcore.registry import Registration, Registry
 
 

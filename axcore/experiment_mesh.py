@@ -20,7 +20,7 @@ from axcore.experiment_schema import ExperimentConfig
 from axcore.platform.mesh import MeshRule, detect_instance_type, select_mesh_rule
 
 if TYPE_CHECKING:
-    from axcore.plugins import AxcorePluginManager
+    from axcore.plugin.loading import AxcorePluginManager
 
 # Mesh fields an experiment may set itself; set ones win over the rule and its modifiers.
 _MESH_FIELDS = ("mesh_shape", "mesh_axis_names", "axis_rules")

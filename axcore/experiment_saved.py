@@ -39,7 +39,7 @@ from typing import Any
 
 from axcore import __version__
 from axcore.errors import ConfigError
-from axcore.plugins import PluginRequest
+from axcore.plugin.loading import PluginRequest
 
 logger = logging.getLogger(__name__)
 

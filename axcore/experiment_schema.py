@@ -20,7 +20,7 @@ from axcore.trainer.config import TrainerConfig, check_trainer_config
 from axcore.trainer.learner import check_component
 
 if TYPE_CHECKING:
-    from axcore.plugins import AxcorePluginManager
+    from axcore.plugin.loading import AxcorePluginManager
 
 
 class MeshConfig(ConfigBase):

@@ -13,9 +13,9 @@ from typing import Any
 
 from packaging.utils import canonicalize_name
 
-from axcore import hookspecs
 from axcore.errors import PluginError, did_you_mean, one_line
-from axcore.plugins import (
+from axcore.plugin import hookspecs
+from axcore.plugin.loading import (
     API_REQUIREMENT_ATTRIBUTE,
     DISABLE_AUTOLOAD_ENV,
     LOAD_PLUGINS_ENV,

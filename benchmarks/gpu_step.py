@@ -252,7 +252,7 @@ def setup_axcore(args: argparse.Namespace, shape: LlamaShape, attention: str) ->
     import numpy as np
 
     from axcore.experiment import load_experiment
-    from axcore.plugins import installed_entry_points
+    from axcore.plugin.loading import installed_entry_points
     from axcore.trainer.trainer import Trainer
     from benchmarks import llama_jax
     from benchmarks.step_time import hyper_of

@@ -21,7 +21,7 @@ from axcore.errors import AxcoreError, ConfigError, NoMatchError, UnknownCompone
 from axcore.experiment import ExperimentConfig, load_experiment
 from axcore.kernels import XlaAttention
 from axcore.layers import BaseLayer, CausalLM
-from axcore.plugins import create_plugin_manager
+from axcore.plugin.loading import create_plugin_manager
 
 from tiny import TINY
 

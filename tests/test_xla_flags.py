@@ -12,11 +12,11 @@ import pytest
 
 import axcore
 import axcore.experiment
-import axcore.instance_probe
+import axcore.plugin.instance_probe
 from axcore.errors import ConfigError, PluginConflictError, PluginLoadError
 from axcore.experiment import load_experiment
 from axcore.platform.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
-from axcore.plugins import probe_instance_type
+from axcore.plugin.loading import probe_instance_type
 
 import tiny
 
@@ -118,7 +118,7 @@ def test_flags_are_applied_only_for_this_machines_platform(monkeypatch, caplog):
 def test_probe_reads_jax_platforms_then_asks_installed_plugins(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=3")
     monkeypatch.setattr(axcore.experiment, "probe_instance_type", probe_instance_type)
-    monkeypatch.setattr("axcore.instance_probe._jax_platforms", lambda: "cpu")
+    monkeypatch.setattr("axcore.plugin.instance_probe._jax_platforms", lambda: "cpu")
     assert probe_instance_type() == "cpu-3"
 
     calls = []
@@ -134,8 +134,8 @@ def test_probe_reads_jax_platforms_then_asks_installed_plugins(monkeypatch):
     broken = types.SimpleNamespace(axcore_probe_instance_type=lambda: 1 / 0)
     other = types.SimpleNamespace(axcore_probe_instance_type=lambda: "never-asked-1")  # Not a hardware name.
     found = {"tpu": [entry_point(silent)], "gpu": [entry_point(broken)], "neuron": [entry_point(gpu)], "rope": [entry_point(other)]}
-    monkeypatch.setattr("axcore.instance_probe._jax_platforms", lambda: "")
-    monkeypatch.setattr(axcore.instance_probe, "installed_entry_points", lambda: found)
+    monkeypatch.setattr("axcore.plugin.instance_probe._jax_platforms", lambda: "")
+    monkeypatch.setattr(axcore.plugin.instance_probe, "installed_entry_points", lambda: found)
     assert probe_instance_type() == "gpu-h100-2"  # The broken plugin is skipped with a warning.
     assert calls == [broken, silent, gpu]  # gpu, tpu, neuron; never the feature plugin.
     monkeypatch.setenv("AXCORE_DISABLE_PLUGIN_AUTOLOAD", "1")

@@ -47,7 +47,7 @@ from axcore import hookimpl
 from axcore.config import ConfigBase, InstantiableConfig, flatten, replace, walk
 from axcore.experiment import builtin_experiments, load_experiment, read_experiment_file
 from axcore.module import functional
-from axcore.plugins import _load_entry_point, installed_entry_points
+from axcore.plugin.loading import _load_entry_point, installed_entry_points
 
 TRANSFORM_HOOK = "axcore_transform_config"
 CORE_ROOT = pathlib.Path(axcore.__file__).parent

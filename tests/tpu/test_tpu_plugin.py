@@ -18,7 +18,7 @@ from axcore.data import Split
 from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
 from axcore.layers.base import checkpoint_policy
-from axcore.plugins import create_plugin_manager
+from axcore.plugin.loading import create_plugin_manager
 
 import axcore_tpu.plugin
 from axcore_tpu.instance_types import (

@@ -2,7 +2,7 @@
 
 The `axcore` entry-point group names each installed plugin and its module. This file
 only reads distribution metadata (no plugin, no hookspecs, no JAX), so the CLI's
-help can use it for free; `axcore.plugins` re-exports these names.
+help can use it for free; `axcore.plugin.loading` re-exports these names.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `PluginRequest.parse("my_feature>=0.2")` gives `PluginRequest("my_feature", ">=0.2")`;
 anything but `NAME[SPECIFIER]` (extras, markers, URLs, a non-string) is a ConfigError
 naming the entry. Parsing imports no plugin and reads no metadata; whether the named
-plugin is installed, and in a matching version, is `axcore.plugins`' job.
+plugin is installed, and in a matching version, is `axcore.plugin.loading`' job.
 """
 
 from __future__ import annotations

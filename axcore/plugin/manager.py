@@ -1,7 +1,7 @@
 """The plugin manager: pluggy's, with axcore's order, provenance, registries, settings and transforms.
 
 `AxcorePluginManager` wraps one `pluggy.PluginManager` (there is no global one; build it
-with `axcore.plugins.create_plugin_manager`). Plugins are registered one by one, each
+with `axcore.plugin.loading.create_plugin_manager`). Plugins are registered one by one, each
 with the distribution it came from; hooks are called one plugin at a time, in
 registration order (built-ins, then `plugins:` order, then an autoloaded hardware
 plugin), so every registration names its plugin and every transform sees the previous
@@ -24,13 +24,13 @@ from typing import Any
 import pluggy
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
-from axcore import hookspecs
 from axcore.config import ConfigBase, from_dict, raise_collected
 from axcore.errors import ConfigError, NoMatchError, PluginError, PluginLoadError, PluginVersionError
 from axcore.kernels.registry import KernelRegistry, Op
-from axcore.plugin_flags import choose_flags_environment, merge_xla_flags
+from axcore.plugin import hookspecs
+from axcore.plugin.flags import choose_flags_environment, merge_xla_flags
+from axcore.plugin.write_log import WriteLog
 from axcore.registry import Family, FamilyHook, Provenance, Registries, Registry, family_hook
-from axcore.write_log import WriteLog
 
 # Plugin attribute holding the plugin API versions it works with, e.g. ">=1.0,<2".
 API_REQUIREMENT_ATTRIBUTE = "AXCORE_PLUGIN_API"
@@ -200,7 +200,7 @@ class AxcorePluginManager:
             self.pm.check_pending()
         except pluggy.PluginValidationError as e:
             raise PluginLoadError(
-                f"{' '.join(str(e).split())}. Hook names must match axcore/hookspecs.py; fix the plugin or "
+                f"{' '.join(str(e).split())}. Hook names must match axcore/plugin/hookspecs.py; fix the plugin or "
                 f"remove it from `plugins:`."
             ) from None
 

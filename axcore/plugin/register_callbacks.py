@@ -1,6 +1,6 @@
 """The `register` callbacks that registration hooks receive, as typed Protocols.
 
-Every `axcore_register_*` hookspec (axcore/hookspecs.py) takes one `register`
+Every `axcore_register_*` hookspec (axcore/plugin/hookspecs.py) takes one `register`
 argument; these Protocols state its call signature so a plugin author's editor and
 type checker see it. The registry behind each callback validates and deduplicates
 (`axcore.registry`); nothing here runs at import.

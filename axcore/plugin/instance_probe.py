@@ -12,7 +12,7 @@ import logging
 import os
 import re
 
-from axcore.entry_points import autoload_disabled, installed_entry_points
+from axcore.plugin.entry_points import autoload_disabled, installed_entry_points
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from axcore.entry_points import _dist_of, autoload_disabled, installed_entry_points
 from axcore.errors import one_line
+from axcore.plugin.entry_points import _dist_of, autoload_disabled, installed_entry_points
 from axcore.registry import Provenance, Registry
 
 # The `axcore` command's own sub-commands; plugins may not register these names.

@@ -9,15 +9,15 @@ explicitly (the escape hatch when an installed plugin is broken), and
 AXCORE_LOAD_PLUGINS=rope,moe to let only the listed installed plugins load at all
 (an empty value: none); plugins given as objects by code are not affected.
 
-This module is also the public face of the plugin kernel; it re-exports the pieces
-that live in modules of their own, one job each:
-- `axcore.plugin_requests`: parsing a `plugins:` entry (`PluginRequest`);
-- `axcore.entry_points`: discovery from distribution metadata, and the variables
+This module gathers the public names of the plugin kernel (`axcore.plugin` re-exports
+them); the pieces live in modules of their own, one job each:
+- `axcore.plugin.requests`: parsing a `plugins:` entry (`PluginRequest`);
+- `axcore.plugin.entry_points`: discovery from distribution metadata, and the variables
   that restrict it (nothing imported);
-- `axcore.plugin_manager`: `AxcorePluginManager` (order, provenance, registries,
+- `axcore.plugin.manager`: `AxcorePluginManager` (order, provenance, registries,
   settings, transforms) and the plugin API requirement check;
-- `axcore.plugin_flags`: merging the plugins' XLA flags and flags variable;
-- `axcore.instance_probe`: the instance type, probed before JAX starts.
+- `axcore.plugin.flags`: merging the plugins' XLA flags and flags variable;
+- `axcore.plugin.instance_probe`: the instance type, probed before JAX starts.
 `axcore.plugin_listing.describe_plugins` is what `axcore plugins` shows.
 
 Why not pluggy's `load_setuptools_entrypoints(group, name=...)` and `set_blocked`:
@@ -30,7 +30,7 @@ naming both), matches only the exact name (ours also tries the PEP 503 normalise
 one), checks no version specifier before importing, and lets an import error escape
 without naming the distribution. pluggy's blocking is a per-manager deny list of names that would also
 block objects given by code; AXCORE_LOAD_PLUGINS is an allow list over installed
-entry points only, applied where they are scanned (`axcore.entry_points`), so the
+entry points only, applied where they are scanned (`axcore.plugin.entry_points`), so the
 CLI listing, the instance probe and lookups by name all honour it.
 """
 
@@ -45,7 +45,15 @@ from typing import Any
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
-from axcore.entry_points import (  # Re-exported: discovery reads metadata only (axcore/entry_points.py).
+from axcore.errors import (
+    ConfigError,
+    PluginError,
+    PluginLoadError,
+    PluginVersionError,
+    UnknownPluginError,
+    did_you_mean,
+)
+from axcore.plugin.entry_points import (  # Re-exported: discovery reads metadata only (axcore/plugin/entry_points.py).
     DISABLE_AUTOLOAD_ENV,
     ENTRY_POINT_GROUP,
     LOAD_PLUGINS_ENV,
@@ -57,16 +65,8 @@ from axcore.entry_points import (  # Re-exported: discovery reads metadata only 
     installed_entry_points,
     load_allow_list,
 )
-from axcore.errors import (
-    ConfigError,
-    PluginError,
-    PluginLoadError,
-    PluginVersionError,
-    UnknownPluginError,
-    did_you_mean,
-)
-from axcore.instance_probe import HARDWARE_PLATFORMS, probe_instance_type  # Re-exported: the pre-JAX probe.
-from axcore.plugin_manager import (  # Re-exported: the manager and what it records (axcore/plugin_manager.py).
+from axcore.plugin.instance_probe import HARDWARE_PLATFORMS, probe_instance_type  # Re-exported: the pre-JAX probe.
+from axcore.plugin.manager import (  # Re-exported: the manager and what it records (axcore/plugin/manager.py).
     API_REQUIREMENT_ATTRIBUTE,
     BUILTIN_DISTRIBUTION,
     AxcorePluginManager,
@@ -75,7 +75,7 @@ from axcore.plugin_manager import (  # Re-exported: the manager and what it reco
     UnknownHookError,
     _core_version,
 )
-from axcore.plugin_requests import PluginRequest  # Re-exported: parsing `plugins:` entries.
+from axcore.plugin.requests import PluginRequest  # Re-exported: parsing `plugins:` entries.
 from axcore.registry import Registries
 
 __all__ = [
