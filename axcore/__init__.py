@@ -43,7 +43,7 @@ _EXPORTS = {
     "axcore.params": ["ParameterSpec"],
     "axcore.plugin.loading": ["AxcorePluginManager", "PluginRequest", "create_plugin_manager"],
     "axcore.registry": ["Registries", "Registry"],
-    "axcore.experiment": ["Experiment", "ExperimentConfig", "load_experiment"],
+    "axcore.experiment.loading": ["Experiment", "ExperimentConfig", "load_experiment"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
         UnknownFieldError,
         UnknownPluginError,
     )
-    from axcore.experiment import Experiment, ExperimentConfig, load_experiment
+    from axcore.experiment.loading import Experiment, ExperimentConfig, load_experiment
     from axcore.markers import hookimpl, hookspec
     from axcore.module import InvocationContext, Module, OutputCollection, functional
     from axcore.params import ParameterSpec

@@ -263,7 +263,7 @@ def _cmd_prepare(args) -> int:
 
 
 def _cmd_train(args) -> int:
-    from axcore.experiment import load_experiment
+    from axcore.experiment.loading import load_experiment
     from axcore.platform.distributed import distributed_settings
     from axcore.trainer.trainer import Trainer
 
@@ -294,7 +294,7 @@ def _train_command(args) -> list[str]:
 
 
 def _cmd_config(args) -> int:
-    from axcore.experiment import load_experiment
+    from axcore.experiment.loading import load_experiment
     from axcore.kernels import describe_kernel_choices
 
     experiment = load_experiment(args.experiment, _overrides(args), objects=args.objects)
@@ -335,7 +335,7 @@ def _cmd_plugins(args) -> int:
 
     enabled = []
     if args.experiment:
-        from axcore.experiment import read_experiment_file
+        from axcore.experiment.loading import read_experiment_file
 
         enabled = read_experiment_file(args.experiment, objects=args.objects)[0].get("plugins") or []
     everything = describe_plugins(enabled, objects=args.objects, hook=args.hook)
@@ -373,7 +373,7 @@ def _cmd_plugins(args) -> int:
 def _cmd_compile(args) -> int:
     """Prints the compile report; with --device-memory, then an AxcoreError (exit 2) if the peak exceeds it."""
     from axcore import compile_report as cr
-    from axcore.experiment import load_experiment
+    from axcore.experiment.loading import load_experiment
 
     limit = None if args.device_memory is None else cr.parse_bytes(args.device_memory, cr.DEVICE_MEMORY_FLAG)
     experiment = load_experiment(args.experiment, _overrides(args), objects=args.objects, apply_xla_flags=True)
@@ -415,7 +415,7 @@ COMMANDS = {
 
 def _plugin_commands(objects: Mapping[str, Any] | None, name: str | None = None):
     """Commands registered by built-in plugins, `objects` and installed plugins (see `search_plugins`)."""
-    from axcore.experiment import search_plugins
+    from axcore.experiment.loading import search_plugins
 
     return search_plugins("commands", objects=objects, name=name)
 

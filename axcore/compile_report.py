@@ -41,7 +41,7 @@ from typing import Any
 import jax
 
 from axcore.errors import AxcoreError
-from axcore.experiment import Experiment
+from axcore.experiment.loading import Experiment
 
 DEVICE_MEMORY_FLAG = "--device-memory"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

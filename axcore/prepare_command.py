@@ -58,7 +58,7 @@ def _tokenizer_config(args):
     from axcore.errors import ConfigError
 
     if args.experiment is not None:
-        from axcore.experiment import load_experiment
+        from axcore.experiment.loading import load_experiment
 
         return load_experiment(args.experiment, args.overrides, objects=getattr(args, "objects", None)).config.tokenizer
     if args.overrides:

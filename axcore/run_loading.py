@@ -7,7 +7,7 @@
 
 A run directory is what `axcore train` leaves: `config.yaml` (the resolved experiment,
 which loads back without running plugin transforms or mesh modifiers again, see
-`axcore.experiment`) and `checkpoints/` (one directory per committed step, written by
+`axcore.experiment.loading`) and `checkpoints/` (one directory per committed step, written by
 the run's configured backend, `trainer.checkpoint.backend`). `path` may name the run
 directory, its `checkpoints/` directory, or one step's directory inside it (`200/`
 for orbax, `step_00000200/` for tensorstore), which also picks the step.
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from axcore.checkpoint import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, restore_verified
 from axcore.errors import AxcoreError
-from axcore.experiment import Experiment, load_experiment
+from axcore.experiment.loading import Experiment, load_experiment
 from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.resume import params_only_metadata
 from axcore.trainer.step import TrainStep

@@ -6,9 +6,9 @@ import pytest
 
 import axcore
 from axcore.cli import main
-from axcore.config_modifiers import attention_kernel, compute_dtype, microbatches, remat
 from axcore.errors import AxcoreError, ConfigError, MissingRequiredError, UnknownComponentError
 from axcore.experiment import load_experiment
+from axcore.experiment.config_modifiers import attention_kernel, compute_dtype, microbatches, remat
 from axcore.kernels import XlaAttention
 from axcore.platform.mesh import AmbiguousMeshRuleError, MeshRule, NoMeshRuleError, select_mesh_rule
 

@@ -7,7 +7,7 @@ or given with `--mesh-selector` (`mesh.instance_type`).
 
 A `MeshRule` maps instance types (a regular expression that must fully match) to a
 mesh shape (`-1` = all remaining devices), mesh axis names, logical-axis rules and
-a chain of config modifiers (`axcore.config_modifiers`). Rules come from two places:
+a chain of config modifiers (`axcore.experiment.config_modifiers`). Rules come from two places:
 plugins register them (`axcore_register_mesh_rules`), and an experiment may list its
 own under `mesh_rules:`.
 

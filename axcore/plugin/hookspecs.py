@@ -223,12 +223,12 @@ def axcore_register_config_modifiers(register: RegisterComponent) -> None:
             a callable taking the experiment config and returning a new one, never
             editing its input, that raises ConfigError (NoMatchError when its target
             matches nothing) naming itself and its target. An
-            `axcore.config_modifiers.Modifier` is also given the registries.
+            `axcore.experiment.config_modifiers.Modifier` is also given the registries.
 
     Returns nothing. Called like the other registration hooks (same order, same
     duplicate-name rule). The matched mesh rule applies its modifiers in order after
     the plugins' config transforms. The built-ins are mesh_shape, remat,
-    microbatches, attention_kernel and compute_dtype (`axcore/config_modifiers.py`).
+    microbatches, attention_kernel and compute_dtype (`axcore/experiment/config_modifiers.py`).
     """
 
 

@@ -106,7 +106,7 @@ BUILTIN_PLUGINS = (
     "axcore.layers.plugin",
     "axcore.kernels.plugin",
     "axcore.platform.mesh",
-    "axcore.config_modifiers",
+    "axcore.experiment.config_modifiers",
     "axcore.data.plugin",
     "axcore.checkpoint.plugin",
     "axcore.trainer.plugin",

@@ -45,7 +45,7 @@ import numpy as np
 import axcore
 from axcore import hookimpl
 from axcore.config import ConfigBase, InstantiableConfig, flatten, replace, walk
-from axcore.experiment import builtin_experiments, load_experiment, read_experiment_file
+from axcore.experiment.loading import builtin_experiments, load_experiment, read_experiment_file
 from axcore.module import functional
 from axcore.plugin.loading import _load_entry_point, installed_entry_points
 

@@ -51,7 +51,7 @@ from axcore.trainer.learner import (
 from axcore.trainer.memory_check import check_compiled_memory
 
 if TYPE_CHECKING:  # The trainer is given a loaded experiment; it never loads one.
-    from axcore.experiment import Experiment
+    from axcore.experiment.loading import Experiment
 
 # The train state's entry holding the objective's own state (only when it keeps one).
 OBJECTIVE_STATE = "objective"

@@ -53,7 +53,7 @@ from axcore.trainer.run_dir import RunDirectory, RunDirectoryError
 from axcore.trainer.step import TrainStep
 
 if TYPE_CHECKING:  # The trainer is given a loaded experiment; it never loads one.
-    from axcore.experiment import Experiment
+    from axcore.experiment.loading import Experiment
 
 
 class NonFiniteLossError(AxcoreError):

@@ -49,8 +49,8 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from axcore.config import InstantiableConfig, get_path, walk
-from axcore.config_modifiers import REMAT_POLICIES, Modifier, compute_dtype, matching_configs
 from axcore.errors import ConfigError
+from axcore.experiment.config_modifiers import REMAT_POLICIES, Modifier, compute_dtype, matching_configs
 from axcore.params import ParameterSpec
 from axcore.platform.mesh import MeshRule
 from axcore.platform.sharding import resolve_rules

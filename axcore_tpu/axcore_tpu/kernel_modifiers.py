@@ -18,8 +18,8 @@ import re
 from typing import Any
 
 from axcore.config import get_path
-from axcore.config_modifiers import Modifier, matching_configs
 from axcore.errors import ConfigError, UnknownComponentError
+from axcore.experiment.config_modifiers import Modifier, matching_configs
 
 from axcore_tpu.remat import DECODER_LAYERS
 

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from axcore.config_modifiers import attention_kernel as attention_kernel_modifier, compute_dtype
 from axcore.errors import ConfigError
+from axcore.experiment.config_modifiers import attention_kernel as attention_kernel_modifier, compute_dtype
 from axcore.platform.mesh import MeshRule
 
 from axcore_tpu.instance_types import CANONICAL_GENERATIONS, instance_type_pattern, parse_instance_type

@@ -1,6 +1,6 @@
 """Rematerialization for TPU runs: the mesh rules' default policy, and offloading to host memory.
 
-Two config modifiers (`axcore.config_modifiers` conventions: a new config, never an
+Two config modifiers (`axcore.experiment.config_modifiers` conventions: a new config, never an
 edit of the input; errors name the modifier):
 
 - `tpu_remat(policy, paths)`, in the TPU mesh rules: the built-in `remat(policy,
@@ -35,8 +35,8 @@ from typing import Any
 import jax
 
 from axcore.config import get_path, walk
-from axcore.config_modifiers import Modifier, matching_configs, remat
 from axcore.errors import AxcoreError, ConfigError, NoMatchError
+from axcore.experiment.config_modifiers import Modifier, matching_configs, remat
 from axcore.platform.mesh import instance_platform
 
 # The transformer layers of axcore's decoders: decoder.layer0, layer1, ... (stacked) or

@@ -42,7 +42,7 @@ def test_import_and_gpu_resolution_probe_no_device():
     """With an unknown JAX platform, any backend initialization would raise; nothing may initialize one."""
     code = (
         "import axcore_gpu.plugin\n"
-        "from axcore.experiment import load_experiment\n"
+        "from axcore.experiment.loading import load_experiment\n"
         "exp = load_experiment(None, ['mesh.instance_type=gpu-h100-8'], objects={'gpu': axcore_gpu.plugin})\n"
         "print(exp.config.mesh.rule, exp.config.model.compute_dtype)\n"
         "import jax\n"

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import axcore.experiment
+import axcore.experiment.loading
 from axcore.experiment import load_experiment
 
 import axcore_gpu.plugin
@@ -107,6 +107,6 @@ def test_gpu_experiment_lists_the_plugins_flags_and_the_users_override():
 
 def test_train_on_a_probed_gpu_sets_the_flags(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "")
-    monkeypatch.setattr(axcore.experiment, "probe_instance_type", lambda: "gpu-h100-1")
+    monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: "gpu-h100-1")
     load_experiment("default", ["mesh.instance_type=gpu-h100-1"], objects={"gpu": axcore_gpu.plugin}, apply_xla_flags=True)
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_latency_hiding_scheduler=true"

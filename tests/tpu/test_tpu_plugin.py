@@ -61,7 +61,7 @@ def test_import_and_tpu_resolution_probe_no_device():
     """With an unknown JAX platform, any backend initialization would raise; nothing may initialize one."""
     code = (
         "import axcore_tpu.plugin\n"
-        "from axcore.experiment import load_experiment\n"
+        "from axcore.experiment.loading import load_experiment\n"
         "exp = load_experiment(None, ['mesh.instance_type=tpu-v5p-64'], objects={'tpu': axcore_tpu.plugin})\n"
         "print(exp.config.mesh.rule, exp.config.model.compute_dtype)\n"
         "import jax\n"

@@ -15,11 +15,11 @@ the first matching mesh rule fills the mesh and applies its config modifiers.
 
 Saved runs load as they ran: `Experiment.save(run_dir)` writes the resolved config
 under a `resolved_by` marker, and loading it skips the transforms and the mesh rule's
-modifiers (`axcore.experiment_saved`).
+modifiers (`axcore.experiment.saved`).
 
-The experiment layer's other modules, re-exported here: `axcore.experiment_schema`
-(`ExperimentConfig` and its parts), `axcore.experiment_files` (finding and reading
-experiment files), `axcore.experiment_mesh` (mesh layout), `axcore.experiment_saved`
+The experiment layer's other modules, re-exported here: `axcore.experiment.schema`
+(`ExperimentConfig` and its parts), `axcore.experiment.files` (finding and reading
+experiment files), `axcore.experiment.mesh` (mesh layout), `axcore.experiment.saved`
 (the saved-config marker).
 """
 
@@ -39,16 +39,17 @@ from axcore.config import ConfigBase, dump_flat, from_dict, parse_override, rais
 from axcore.config.serialize import flatten, format_value, nest_path, to_dict
 from axcore.data.schema import BATCH_SCHEMA
 from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
-from axcore.experiment_files import SearchResult, builtin_experiments, read_experiment_file, search_plugins
-from axcore.experiment_mesh import layout_mesh, local_mesh_rules
-from axcore.experiment_saved import RESOLVED_KEY, check_resolved_marker, check_resolved_plugins, resolved_marker
-from axcore.experiment_schema import (
+from axcore.experiment.files import SearchResult, builtin_experiments, read_experiment_file, search_plugins
+from axcore.experiment.mesh import layout_mesh, local_mesh_rules
+from axcore.experiment.saved import RESOLVED_KEY, check_resolved_marker, check_resolved_plugins, resolved_marker
+from axcore.experiment.schema import (
     ExperimentConfig,
     MeshConfig,
     MeshRuleConfig,
     check_experiment_config,
     default_model,
 )
+from axcore.experiment.validation import check_sizes, validate_experiment
 from axcore.kernels import (
     KernelDecision,
     current_platform,
@@ -61,7 +62,6 @@ from axcore.platform.distributed import DistributedSettings, initialize_distribu
 from axcore.platform.mesh import instance_platform
 from axcore.platform.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
 from axcore.plugin.loading import AxcorePluginManager, PluginRequest, create_plugin_manager, probe_instance_type
-from axcore.validation import check_sizes, validate_experiment
 
 __all__ = [
     "RESOLVED_KEY",
@@ -162,7 +162,7 @@ class Experiment:
         return data
 
     def resolved_dict(self) -> dict[str, Any]:
-        """`to_dict()` under a first key `resolved_by` (`axcore.experiment_saved`): loads back without
+        """`to_dict()` under a first key `resolved_by` (`axcore.experiment.saved`): loads back without
         running the plugins' transforms or the mesh rule's modifiers again."""
         marker = resolved_marker(self.config.plugins, self.mesh_rule, self.mesh_modifiers)
         return {RESOLVED_KEY: marker, **self.to_dict()}

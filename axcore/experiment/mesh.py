@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from axcore.config_modifiers import apply_modifier, build_modifier, describe_modifier
 from axcore.errors import AxcoreError, ConfigError, MissingRequiredError, UnknownComponentError, did_you_mean
-from axcore.experiment_schema import ExperimentConfig
+from axcore.experiment.config_modifiers import apply_modifier, build_modifier, describe_modifier
+from axcore.experiment.schema import ExperimentConfig
 from axcore.platform.mesh import MeshRule, detect_instance_type, select_mesh_rule
 
 if TYPE_CHECKING:

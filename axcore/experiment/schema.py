@@ -2,7 +2,7 @@
 
 Each field is a top-level key of an experiment file (docs/experiments.md is generated
 from these classes' field comments by `axcore.tools.experiment_reference`). Loading a file
-into this tree is `axcore.experiment.load_experiment`'s job; this module only declares
+into this tree is `axcore.experiment.loading.load_experiment`'s job; this module only declares
 it, plus the checks of components the registries must know (`check_experiment_config`).
 
 Layer: experiment (imports config, data, layers, trainer's config; never the plugin
@@ -57,7 +57,7 @@ class MeshRuleConfig(ConfigBase):
     mesh_axis_names: tuple[str, ...] = ("data",)
     # Logical axis -> mesh axis (or list of axes, or null).
     axis_rules: dict[str, Any] = {}
-    # Config modifiers applied in order: {type: NAME, ...arguments} (axcore.config_modifiers).
+    # Config modifiers applied in order: {type: NAME, ...arguments} (axcore.experiment.config_modifiers).
     modifiers: list[dict[str, Any]] = []
     # None = tried before every registered rule; a number sorts it among them (first on ties).
     priority: int | None = None

@@ -25,7 +25,7 @@ that ran cannot be undone, nor a new one run on a resolved config (change the
 original experiment instead). A file without `resolved_by` (an experiment written
 by hand, or a run directory of an older axcore) is resolved in full.
 
-This module writes and checks the marker; `axcore.experiment.load_experiment` decides
+This module writes and checks the marker; `axcore.experiment.loading.load_experiment` decides
 which steps it skips.
 
 Layer: experiment (imports errors and the plugin manager's request parser).
