@@ -194,7 +194,7 @@ def _add_eval(sub) -> None:
         "eval",
         help="held-out loss and perplexity of a checkpoint on a dataset",
         description="Loss (mean cross-entropy, nats per token) and perplexity (exp(loss)) of a run's checkpoint; "
-        "every target token counted once (see axcore/evaluation.py).",
+        "every target token counted once (see axcore/inference/evaluation.py).",
     )
     eval_.add_argument("run", metavar="RUN_OR_CKPT", help="run directory, its checkpoints/ or one step's directory")
     # More paths (a shell glob matching several runs): refused with one line naming them (`_one_run`).
@@ -238,7 +238,7 @@ def _one_run(args) -> str:
 
 
 def _cmd_eval(args) -> int:
-    from axcore.evaluation import evaluate_run, print_result
+    from axcore.inference.evaluation import evaluate_run, print_result
 
     args.run = _one_run(args)
     result = evaluate_run(

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from axcore.generation import Generator, Sampling
-    from axcore.run_loading import load_model_and_step
+    from axcore.inference.run_loading import load_model_and_step
 
     prompts = _prompts(args)
     if args.max_new_tokens < 1:

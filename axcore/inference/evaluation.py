@@ -3,7 +3,7 @@
     result = evaluate_run("runs/x", data=["held_out.txt"], seq_len=256)
     print(result.loss, result.perplexity)   # nats per token, exp(loss)
 
-The model is loaded with `axcore.run_loading` (its run's experiment, the step's
+The model is loaded with `axcore.inference.run_loading` (its run's experiment, the step's
 parameters on the experiment's mesh), and the evaluation is the trainer's own
 (`TrainStep.evaluate`, `axcore.trainer.evaluate`): each batch goes through the train
 step object's jitted eval step (`TrainStep.compiled_eval_step`), the weighted cross-entropy and the weights are summed on the device
@@ -46,8 +46,8 @@ import numpy as np
 from axcore.data import PAD_LABEL, DataError, Split, TextFiles, TextFormat, TokenDtype, TokenFile
 from axcore.data.schema import BATCH_SCHEMA
 from axcore.errors import AxcoreError
+from axcore.inference.run_loading import LoadedModel, load_model_and_step
 from axcore.platform.distributed import is_primary
-from axcore.run_loading import LoadedModel, load_model_and_step
 from axcore.trainer.inputs import input_pipeline
 
 # `--split` names -> the source's split ("validation" is the eval split).
