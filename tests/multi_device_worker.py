@@ -28,11 +28,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from axcore.cli.shardings import sharding_report
 from axcore.data import Split
 from axcore.experiment import load_experiment
 from axcore.params import ParameterSpec
 from axcore.platform.sharding import path_name
-from axcore.sharding_report import sharding_report
 from axcore.trainer.trainer import Trainer
 
 import tiny

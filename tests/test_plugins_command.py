@@ -8,6 +8,7 @@ import pytest
 
 import axcore
 from axcore.cli import main
+from axcore.cli.plugins import PLUGIN_JSON_KEYS
 from axcore.layers import FeedForward
 from axcore.plugin.loading import (
     LOAD_PLUGINS_ENV,
@@ -15,7 +16,6 @@ from axcore.plugin.loading import (
     create_plugin_manager,
     installed_entry_points,
 )
-from axcore.plugin_listing import PLUGIN_JSON_KEYS
 
 TOP_KEYS = {"plugin_api_version", "experiment", "hook", "load_plugins", "autoload_disabled", "plugins"}
 MODULES = ("axtest_listed_good", "axtest_listed_broken", "axtest_listed_secret")

@@ -12,6 +12,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 
 import axcore
 from axcore.cli import main
+from axcore.cli.shardings import sharding_report
 from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
 from axcore.kernels import op_environment
@@ -25,7 +26,6 @@ from axcore.platform.sharding import (
     parameter_shardings,
     resolve_rules,
 )
-from axcore.sharding_report import sharding_report
 
 import tiny
 

@@ -18,7 +18,7 @@ them); the pieces live in modules of their own, one job each:
   settings, transforms) and the plugin API requirement check;
 - `axcore.plugin.flags`: merging the plugins' XLA flags and flags variable;
 - `axcore.plugin.instance_probe`: the instance type, probed before JAX starts.
-`axcore.plugin_listing.describe_plugins` is what `axcore plugins` shows.
+`axcore.cli.plugins.describe_plugins` is what `axcore plugins` shows.
 
 Why not pluggy's `load_setuptools_entrypoints(group, name=...)` and `set_blocked`:
 loading by name is what pluggy offers too, but it rescans every distribution on
@@ -59,7 +59,7 @@ from axcore.plugin.entry_points import (  # Re-exported: discovery reads metadat
     LOAD_PLUGINS_ENV,
     _allowed,
     _dist_of,
-    _scanned_entry_points as _scanned_entry_points,  # For axcore.plugin_listing.
+    _scanned_entry_points as _scanned_entry_points,  # For axcore.cli.plugins.
     autoload_disabled,
     excluded_entry_points,
     installed_entry_points,

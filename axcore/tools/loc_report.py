@@ -434,3 +434,7 @@ def format_table(rows: list[PluginLoc]) -> str:
         cells += [str(r.touched[f]) for f in families]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m axcore.tools.loc_report, the same table as `axcore loc`.
+    sys.stdout.write(format_table(loc_report()))

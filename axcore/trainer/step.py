@@ -19,7 +19,7 @@ learner and the mesh, and derives, without allocating anything:
   recording the kernel each op got and refusing a step too big for the device memory.
 
 It creates no run directory, prints nothing and talks to no other process, so
-`axcore.inference.run_loading`, `axcore.inference.evaluation` and `axcore.compile_report` build one cheaply;
+`axcore.inference.run_loading`, `axcore.inference.evaluation` and `axcore.cli.compile` build one cheaply;
 the training loop (`axcore.trainer.trainer.Trainer`) holds one.
 """
 

@@ -1,4 +1,4 @@
-"""The `axcore` command.
+"""The `axcore` command: its parser and the dispatch to each command's module (`axcore.cli.<command>.run`).
 
     axcore train [EXPERIMENT] [--set PATH=VALUE ...]   train (default: built-in experiment)
     axcore config EXPERIMENT [--set ...]               resolved config, one `path: value` per line
@@ -28,25 +28,20 @@ AxcoreError) prints one line and exits with status 2.
 from __future__ import annotations
 
 import argparse
-import os
+import importlib
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from axcore.cli.common import EXIT_USAGE, Parser, add_distributed, add_experiment
 from axcore.errors import one_line
 from axcore.plugin.commands import BUILTIN_COMMANDS, listed_plugin_commands
 
-EXIT_USAGE = 2
 # After Ctrl-C (128 + SIGINT), as shells report it; axcore/trainer/interrupt.py's EXIT_INTERRUPTED.
 EXIT_INTERRUPTED = 130
 PLUGIN_COMMANDS_HELP = (
     "Installed plugins can add commands (hook axcore_register_commands); 'axcore plugins' lists them."
 )
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # One line, exit 2 (argparse prints usage too).
-        self.exit(EXIT_USAGE, f"axcore: error: {message} (see '{self.prog} --help')\n")
 
 
 def plugin_commands_help() -> str:
@@ -65,7 +60,7 @@ def plugin_commands_help() -> str:
     return "\n".join([*lines, PLUGIN_COMMANDS_HELP])
 
 
-class _MainParser(_Parser):
+class _MainParser(Parser):
     """The `axcore` parser: its help ends with the installed plugins' commands, read only when help is shown."""
 
     def format_help(self) -> str:
@@ -74,55 +69,17 @@ class _MainParser(_Parser):
 
 
 
-def _add_experiment(parser: argparse.ArgumentParser, *, required: bool) -> None:
-    parser.add_argument(
-        "experiment",
-        nargs=None if required else "?",
-        help="experiment YAML file or built-in experiment name" + ("" if required else " (default: default)"),
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="PATH=VALUE",
-        help="override a config value, e.g. --set trainer.max_steps=50 (repeatable; YAML-typed)",
-    )
-    parser.add_argument(
-        "--mesh-selector",
-        metavar="INSTANCE_TYPE",
-        help="lay the run out for this instance type (e.g. gpu-h100-8, tpu-v5p-64) instead of the detected "
-        "one; its hardware plugin is loaded if installed (same as --set mesh.instance_type=...)",
-    )
-
-
-def _add_distributed(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "multi-process", "join a multi-process job (all three; or AXCORE_COORDINATOR_ADDRESS, "
-        "AXCORE_NUM_PROCESSES, AXCORE_PROCESS_ID; Slurm and JobSet variables are detected)"
-    )
-    group.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
-    group.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
-    group.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 .. N-1")
-
-
-def _overrides(args) -> list[str]:
-    """The `--set` overrides, with `--mesh-selector` as `mesh.instance_type`."""
-    selector = getattr(args, "mesh_selector", None)
-    return [*args.overrides, *([f"mesh.instance_type={selector}"] if selector else [])]
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _MainParser(
         prog="axcore", description="Plugin-based large-model training on JAX.", epilog=PLUGIN_COMMANDS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
     train = sub.add_parser("train", help="train a model from an experiment")
-    _add_experiment(train, required=False)
-    _add_distributed(train)
+    add_experiment(train, required=False)
+    add_distributed(train)
     config = sub.add_parser("config", help="print the resolved config (one 'path: value' per line)")
-    _add_experiment(config, required=True)
+    add_experiment(config, required=True)
     config.add_argument(
         "--shardings",
         action="store_true",
@@ -164,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile the train step ahead of time on abstract inputs (nothing allocated) and report "
         "parameters, per-device bytes and FLOPs",
     )
-    _add_experiment(compile_, required=True)
+    add_experiment(compile_, required=True)
     compile_.add_argument(
         "--device-memory",
         metavar="BYTES",
@@ -172,14 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("loc", help="integration lines of code of each installed plugin (Markdown table)")
     _add_eval(sub)
-    from axcore import generate_command
+    from axcore.cli import generate
 
-    generate_command.add_arguments(
+    generate.add_arguments(
         sub.add_parser("generate", help="continue prompts with a run's model (KV-cache decoding)")
     )
-    from axcore import prepare_command
+    from axcore.cli import prepare
 
-    prepare_command.add_arguments(
+    prepare.add_arguments(
         sub.add_parser("prepare", help="tokenize a corpus once into prepared token shards (training reads those)")
     )
     new_plugin = sub.add_parser("new-plugin", help="write a new plugin package (entry point, hooks, README, tests)")
@@ -214,202 +171,17 @@ def _add_eval(sub) -> None:
     eval_.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
 
 
-def _one_run(args) -> str:
-    """The one run path of `eval` or `generate`; several (e.g. `runs/default-*`) are an AxcoreError naming them.
-
-    The error suggests the newest of them (latest modification time) as the one to name.
-    """
-    paths = [args.run, *args.more_runs]
-    if len(paths) == 1:
-        return args.run
-    from axcore.errors import AxcoreError
-
-    def modified(path: str) -> float:
-        try:
-            return os.stat(path).st_mtime
-        except OSError:
-            return float("-inf")
-
-    newest = max(paths, key=lambda p: (modified(p), p))
-    raise AxcoreError(
-        f"{len(paths)} run directories given ({', '.join(paths)}); axcore {args.command} reads one: name one, "
-        f"e.g. the newest: {newest}"
-    )
-
-
-def _cmd_eval(args) -> int:
-    from axcore.inference.evaluation import evaluate_run, print_result
-
-    args.run = _one_run(args)
-    result = evaluate_run(
-        args.run, data=args.data, split=args.split, batch_size=args.batch_size, seq_len=args.seq_len,
-        max_batches=args.max_batches, step=args.step, overrides=args.overrides, objects=args.objects,
-    )
-    print_result(result, args.json)
-    return 0
-
-
-def _cmd_generate(args) -> int:
-    from axcore import generate_command
-
-    args.run = _one_run(args)
-    return generate_command.run(args)
-
-
-def _cmd_prepare(args) -> int:
-    from axcore import prepare_command
-
-    return prepare_command.run(args)
-
-
-def _cmd_train(args) -> int:
-    from axcore.experiment.loading import load_experiment
-    from axcore.platform.distributed import distributed_settings
-    from axcore.trainer.trainer import Trainer
-
-    distributed = distributed_settings(args.coordinator, args.num_processes, args.process_id)
-    # XLA flags are set, and the job joined, before anything starts JAX's backend.
-    experiment = load_experiment(
-        args.experiment, _overrides(args), objects=args.objects, apply_xla_flags=True, distributed=distributed
-    )
-    if os.environ.get(experiment.flags_variable):
-        print(f"{experiment.flags_variable}: {os.environ[experiment.flags_variable]}", file=sys.stderr)
-    result = Trainer(experiment, command=_train_command(args)).run()
-    eval_text = f", held-out loss {result.eval_loss:.3f}" if result.eval_loss is not None else ""
-    print(f"Finished step {result.step}{eval_text}; run directory: {result.run_dir}", file=sys.stderr)
-    return 0
-
-
-def _train_command(args) -> list[str]:
-    """The `axcore train` command as given (experiment, `--set`, `--mesh-selector`, multi-process flags),
-    for the line that says how to resume an interrupted run."""
-    words = ["axcore", "train", *([args.experiment] if args.experiment else [])]
-    words += [w for override in args.overrides for w in ("--set", override)]
-    if args.mesh_selector:
-        words += ["--mesh-selector", args.mesh_selector]
-    for flag, value in (("--coordinator", args.coordinator), ("--num-processes", args.num_processes),
-                        ("--process-id", args.process_id)):
-        words += [flag, str(value)] if value is not None else []
-    return words
-
-
-def _cmd_config(args) -> int:
-    from axcore.experiment.loading import load_experiment
-    from axcore.kernels import describe_kernel_choices
-
-    experiment = load_experiment(args.experiment, _overrides(args), objects=args.objects)
-    if getattr(args, "shardings", False):
-        from axcore.sharding_report import format_sharding_report, sharding_report
-
-        sys.stdout.write(format_sharding_report(sharding_report(experiment)))
-        return 0
-    if getattr(args, "kernels", False):
-        from axcore.kernels import format_kernel_decisions
-
-        sys.stdout.write(format_kernel_decisions(experiment.kernel_decisions()))
-        return 0
-    sys.stdout.write(experiment.flat())
-    for op, kernels in describe_kernel_choices(experiment.kernel_choices()).items():
-        sys.stdout.write(f"# kernel {op}: {kernels}\n")
-    sys.stdout.write(f"# data check: {_data_check(experiment)}\n")
-    return 0
-
-
-def _data_check(experiment) -> str:
-    """"ok", or the one-line error of the input sources' cheap checks (paths exist, shard indexes and their
-    tokenizer match; `InputConfig.check`), naming the config path such as input.source.paths[0]."""
-    from axcore.errors import AxcoreError
-
-    config = experiment.config
-    try:
-        config.input.check(config.tokenizer.instantiate())
-    except AxcoreError as e:
-        return one_line(e)
-    return "ok"
-
-
-def _cmd_plugins(args) -> int:
-    import json
-
-    from axcore.plugin_listing import describe_plugins, plugins_json
-
-    enabled = []
-    if args.experiment:
-        from axcore.experiment.loading import read_experiment_file
-
-        enabled = read_experiment_file(args.experiment, objects=args.objects)[0].get("plugins") or []
-    everything = describe_plugins(enabled, objects=args.objects, hook=args.hook)
-    shown = [d for d in everything if args.all or args.hook or d.source != "builtin"]
-    if args.json:
-        print(json.dumps(plugins_json(shown, experiment=args.experiment, hook=args.hook), indent=2))
-        return 0
-    rows = [
-        (d.name, d.distribution, d.version, "built-in" if d.source == "builtin" else "yes" if d.enabled else "no",
-         ", ".join(d.hooks) if d.status == "ok" else f"({d.status}: {d.detail})")
-        for d in shown
-    ]
-    header = ("name", "distribution", "version", "enabled", "hooks")
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
-    for row, description in zip([header, *rows], [None, *shown]):
-        print("  ".join([*(str(c).ljust(w) for c, w in zip(row[:4], widths)), row[4]]))
-        kinds: dict[str, list[str]] = {}
-        for component in description.components if description else ():
-            kinds.setdefault(component.kind, []).append(component.name)
-        if kinds:
-            print("    registers: " + "; ".join(f"{kind} {', '.join(names)}" for kind, names in kinds.items()))
-    if not shown:
-        print(f"No plugin implements {args.hook}." if args.hook else "No plugins installed; --all lists the built-ins.")
-    if args.hook:
-        return 0
-    commands = sorted(
-        (c.name, d.name, c.value.help) for d in everything for c in d.components if c.family == "commands"
-    )
-    print("\nCommands added by plugins:" if commands else "\nNo plugin adds commands.")
-    for name, plugin, help_ in commands:
-        print(f"  axcore {name}  (plugin {plugin}) {help_}".rstrip())
-    return 0
-
-
-def _cmd_compile(args) -> int:
-    """Prints the compile report; with --device-memory, then an AxcoreError (exit 2) if the peak exceeds it."""
-    from axcore import compile_report as cr
-    from axcore.experiment.loading import load_experiment
-
-    limit = None if args.device_memory is None else cr.parse_bytes(args.device_memory, cr.DEVICE_MEMORY_FLAG)
-    experiment = load_experiment(args.experiment, _overrides(args), objects=args.objects, apply_xla_flags=True)
-    report = cr.compile_report(experiment)
-    sys.stdout.write(cr.format_report(report))
-    sys.stdout.flush()
-    if limit is not None:
-        cr.check_device_memory(report, limit)
-    return 0
-
-
-def _cmd_loc(args) -> int:
-    from axcore.tools.loc_report import format_table, loc_report
-
-    sys.stdout.write(format_table(loc_report()))
-    return 0
-
-
-def _cmd_new_plugin(args) -> int:
-    from axcore.scaffold import new_plugin
-
-    for path in new_plugin(args.name, args.kind, args.directory):
-        print(path)
-    return 0
-
-
+# Each built-in command's module, imported only when the command runs (its `run(args)` returns the exit status).
 COMMANDS = {
-    "train": _cmd_train,
-    "config": _cmd_config,
-    "plugins": _cmd_plugins,
-    "compile": _cmd_compile,
-    "loc": _cmd_loc,
-    "new-plugin": _cmd_new_plugin,
-    "eval": _cmd_eval,
-    "generate": _cmd_generate,
-    "prepare": _cmd_prepare,
+    "train": "axcore.cli.train",
+    "config": "axcore.cli.config",
+    "plugins": "axcore.cli.plugins",
+    "compile": "axcore.cli.compile",
+    "loc": "axcore.cli.loc",
+    "new-plugin": "axcore.cli.new_plugin",
+    "eval": "axcore.cli.eval",
+    "generate": "axcore.cli.generate",
+    "prepare": "axcore.cli.prepare",
 }
 
 
@@ -438,7 +210,7 @@ def _run_plugin_command(name: str, argv: Sequence[str], objects: Mapping[str, An
         )
         return EXIT_USAGE
     command = entry.value
-    parser = _Parser(prog=f"axcore {name}", description=command.help or None)
+    parser = Parser(prog=f"axcore {name}", description=command.help or None)
     if command.add_arguments is not None:
         command.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -467,7 +239,7 @@ def main(argv: Sequence[str] | None = None, *, objects: Mapping[str, Any] | None
         if plugin_command:
             return _run_plugin_command(argv[0], argv[1:], objects)
         args.objects = objects
-        return COMMANDS[args.command](args)
+        return importlib.import_module(COMMANDS[args.command]).run(args)
     except AxcoreError as e:
         for problem in getattr(e, "problems", None) or [e]:  # ConfigValidationError: one line per problem.
             print(f"axcore: error: {one_line(problem)}", file=sys.stderr)
@@ -479,6 +251,3 @@ def main(argv: Sequence[str] | None = None, *, objects: Mapping[str, Any] | None
         print(str(e) if resumable else "axcore: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -173,3 +173,44 @@ def plugins_json(
         "autoload_disabled": autoload_disabled(),
         "plugins": [d.to_json() for d in descriptions],
     }
+
+
+def run(args) -> int:
+    """`axcore plugins`: the table (or `--json`) of installed plugins, then the commands plugins add."""
+    import json
+
+    enabled = []
+    if args.experiment:
+        from axcore.experiment.loading import read_experiment_file
+
+        enabled = read_experiment_file(args.experiment, objects=args.objects)[0].get("plugins") or []
+    everything = describe_plugins(enabled, objects=args.objects, hook=args.hook)
+    shown = [d for d in everything if args.all or args.hook or d.source != "builtin"]
+    if args.json:
+        print(json.dumps(plugins_json(shown, experiment=args.experiment, hook=args.hook), indent=2))
+        return 0
+    rows = [
+        (d.name, d.distribution, d.version, "built-in" if d.source == "builtin" else "yes" if d.enabled else "no",
+         ", ".join(d.hooks) if d.status == "ok" else f"({d.status}: {d.detail})")
+        for d in shown
+    ]
+    header = ("name", "distribution", "version", "enabled", "hooks")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(4)]
+    for row, description in zip([header, *rows], [None, *shown]):
+        print("  ".join([*(str(c).ljust(w) for c, w in zip(row[:4], widths)), row[4]]))
+        kinds: dict[str, list[str]] = {}
+        for component in description.components if description else ():
+            kinds.setdefault(component.kind, []).append(component.name)
+        if kinds:
+            print("    registers: " + "; ".join(f"{kind} {', '.join(names)}" for kind, names in kinds.items()))
+    if not shown:
+        print(f"No plugin implements {args.hook}." if args.hook else "No plugins installed; --all lists the built-ins.")
+    if args.hook:
+        return 0
+    commands = sorted(
+        (c.name, d.name, c.value.help) for d in everything for c in d.components if c.family == "commands"
+    )
+    print("\nCommands added by plugins:" if commands else "\nNo plugin adds commands.")
+    for name, plugin, help_ in commands:
+        print(f"  axcore {name}  (plugin {plugin}) {help_}".rstrip())
+    return 0

@@ -35,13 +35,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
 import time
 from typing import Any
 
 import jax
 
+from axcore.cli.common import overrides
 from axcore.errors import AxcoreError
-from axcore.experiment.loading import Experiment
+from axcore.experiment.loading import Experiment, load_experiment
 
 DEVICE_MEMORY_FLAG = "--device-memory"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -320,3 +322,15 @@ def check_device_memory(report: dict[str, Any], device_memory: int) -> None:
         raise AxcoreError(
             f"estimated peak {_short_bytes(peak)} per device exceeds {DEVICE_MEMORY_FLAG} {_short_bytes(device_memory)}"
         )
+
+
+def run(args) -> int:
+    """Prints the compile report; with --device-memory, then an AxcoreError (exit 2) if the peak exceeds it."""
+    limit = None if args.device_memory is None else parse_bytes(args.device_memory, DEVICE_MEMORY_FLAG)
+    experiment = load_experiment(args.experiment, overrides(args), objects=args.objects, apply_xla_flags=True)
+    report = compile_report(experiment)
+    sys.stdout.write(format_report(report))
+    sys.stdout.flush()
+    if limit is not None:
+        check_device_memory(report, limit)
+    return 0

@@ -13,6 +13,7 @@ import json
 import sys
 import time
 
+from axcore.cli.common import one_run
 from axcore.errors import AxcoreError
 
 
@@ -55,6 +56,7 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Loads the run, generates, prints each prompt with its continuation; returns 0."""
+    args.run = one_run(args)
     import jax
     import numpy as np
 

@@ -399,3 +399,9 @@ def new_plugin(name: str, kind: str = "feature", directory: str | os.PathLike | 
             f.write(string.Template(template).substitute(fields))
         written.append(path)
     return written
+
+
+def run(args) -> int:
+    for path in new_plugin(args.name, args.kind, args.directory):
+        print(path)
+    return 0
