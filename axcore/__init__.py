@@ -37,13 +37,13 @@ _EXPORTS = {
         "UnknownFieldError",
         "UnknownPluginError",
     ],
-    "axcore.hookspecs": ["PLUGIN_API_VERSION"],
+    "axcore.plugin.hookspecs": ["PLUGIN_API_VERSION"],
     "axcore.markers": ["hookimpl", "hookspec"],
     "axcore.module": ["InvocationContext", "Module", "OutputCollection", "functional"],
     "axcore.params": ["ParameterSpec"],
-    "axcore.plugins": ["AxcorePluginManager", "PluginRequest", "create_plugin_manager"],
+    "axcore.plugin.loading": ["AxcorePluginManager", "PluginRequest", "create_plugin_manager"],
     "axcore.registry": ["Registries", "Registry"],
-    "axcore.experiment": ["Experiment", "ExperimentConfig", "load_experiment"],
+    "axcore.experiment.loading": ["Experiment", "ExperimentConfig", "load_experiment"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
@@ -77,10 +77,10 @@ if TYPE_CHECKING:
         UnknownFieldError,
         UnknownPluginError,
     )
-    from axcore.experiment import Experiment, ExperimentConfig, load_experiment
-    from axcore.hookspecs import PLUGIN_API_VERSION
+    from axcore.experiment.loading import Experiment, ExperimentConfig, load_experiment
     from axcore.markers import hookimpl, hookspec
     from axcore.module import InvocationContext, Module, OutputCollection, functional
     from axcore.params import ParameterSpec
-    from axcore.plugins import AxcorePluginManager, PluginRequest, create_plugin_manager
+    from axcore.plugin.hookspecs import PLUGIN_API_VERSION
+    from axcore.plugin.loading import AxcorePluginManager, PluginRequest, create_plugin_manager
     from axcore.registry import Registries, Registry

@@ -1,7 +1,7 @@
 """Registry families: typed name -> component maps that registration hooks fill.
 
 A *family* (layers, ops, kernels, optimizers, ...) is declared by the registration
-hookspec that fills it: `@registers(Family(...))` on the spec in `axcore/hookspecs.py`
+hookspec that fills it: `@registers(Family(...))` on the spec in `axcore/plugin/hookspecs.py`
 (or on a plugin's own hookspec, added through `axcore_add_hookspecs`). The plugin
 manager builds one `Registries` object per manager from those declarations, so a new
 family is a new hookspec and nothing else.

@@ -56,10 +56,10 @@ SMOKE_SHAPE = dict(SMOLLM_135M, vocab_size=512, hidden_size=64, num_hidden_layer
 PROMPT, NEW_TOKENS = "w1 w2 w3 w4 w5 w6 w7 w8", 24
 
 # Runs one axcore command, timing load_model_and_step and restore_verified inside it; the last stderr line
-# is JSON. Patched on the module, so generate_command's `from axcore.run_loading import ...` (at call time) sees it.
+# is JSON. Patched on the module, so generate_command's `from axcore.inference.run_loading import ...` (at call time) sees it.
 _WRAPPER = r"""
 import json, sys, time
-import axcore, axcore.run_loading as rl
+import axcore, axcore.inference.run_loading as rl
 spent = {"load_s": 0.0, "restore_s": 0.0}
 def timing(name, fn):
     def timed(*args, **kwargs):

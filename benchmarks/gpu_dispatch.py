@@ -88,7 +88,7 @@ def host_events(trace_dir: str, min_ms: float, top: int) -> list[dict[str, Any]]
 def measure(args: argparse.Namespace, shape: LlamaShape) -> dict[str, Any]:
     from axcore.data import device_loader
     from axcore.experiment import load_experiment
-    from axcore.plugins import installed_entry_points
+    from axcore.plugin.loading import installed_entry_points
     from axcore.trainer.trainer import Trainer
     from benchmarks.gpu_step import axcore_overrides
 

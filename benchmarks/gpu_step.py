@@ -164,7 +164,7 @@ def select_attention(experiment, trainer, shape: LlamaShape, attention: str) -> 
     from axcore.errors import AxcoreError
     from axcore.kernels import ATTENTION, AttentionProblem
     from axcore.layers.attention import QKV_AXES
-    from axcore.sharding import activation_spec
+    from axcore.platform.sharding import activation_spec
 
     kernels = experiment.registries.kernels
     names = sorted(k.name for k in kernels.candidates(ATTENTION))
@@ -252,7 +252,7 @@ def setup_axcore(args: argparse.Namespace, shape: LlamaShape, attention: str) ->
     import numpy as np
 
     from axcore.experiment import load_experiment
-    from axcore.plugins import installed_entry_points
+    from axcore.plugin.loading import installed_entry_points
     from axcore.trainer.trainer import Trainer
     from benchmarks import llama_jax
     from benchmarks.step_time import hyper_of

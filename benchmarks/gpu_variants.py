@@ -146,7 +146,7 @@ def build(name: str, args: argparse.Namespace, shape: LlamaShape) -> Variant:
 
     from axcore.experiment import load_experiment
     from axcore.kernels import record_kernel_choices
-    from axcore.plugins import installed_entry_points
+    from axcore.plugin.loading import installed_entry_points
     from axcore.trainer.trainer import Trainer
     from benchmarks.gpu_step import axcore_overrides
 

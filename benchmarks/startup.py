@@ -42,7 +42,7 @@ COMMANDS = {"help": ["--help"], "plugins": ["plugins"], "config": ["config", "de
 # (importlib.metadata scanning sys.path for the `axcore` group), which is all that
 # `axcore config` does with plugins it does not enable.
 _DISCOVERY_PROBE = (
-    "import sys, time, axcore.plugins as p; t = time.perf_counter(); eps = p.installed_entry_points(); "
+    "import sys, time, axcore.plugin.loading as p; t = time.perf_counter(); eps = p.installed_entry_points(); "
     "sys.stdout.write(f'{time.perf_counter() - t} {len(eps)}')"
 )
 HELP_TARGET_S = 0.3

@@ -11,7 +11,7 @@ object on the last line of stdout:
      "seconds": {name: float}}
 
 The expected PartitionSpecs are computed here from each parameter's logical axes with
-a table of the default rules written out independently of `axcore.sharding`.
+a table of the default rules written out independently of `axcore.platform.sharding`.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from axcore.cli.shardings import sharding_report
 from axcore.data import Split
 from axcore.experiment import load_experiment
 from axcore.params import ParameterSpec
-from axcore.sharding import path_name
-from axcore.sharding_report import sharding_report
+from axcore.platform.sharding import path_name
 from axcore.trainer.trainer import Trainer
 
 import tiny

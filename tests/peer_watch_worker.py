@@ -1,7 +1,7 @@
 """One process of a two-process job that only stays alive: `python peer_watch_worker.py COORDINATOR ID DONE_FILE`.
 
-Joins the job through `axcore.distributed.initialize_distributed` (which starts
-`axcore.peer_watch`, logging its address at INFO), then runs one broadcast over the
+Joins the job through `axcore.platform.distributed.initialize_distributed` (which starts
+`axcore.platform.peer_watch`, logging its address at INFO), then runs one broadcast over the
 job's devices every 0.05 s until process 0 sees DONE_FILE (process 0's view is the one
 broadcast, so both leave on the same round), at most `MAX_SECONDS`; prints
 `rounds: N` and exits 0. Run with `JAX_PLATFORMS=cpu`.
@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from axcore.distributed import distributed_settings, initialize_distributed
+from axcore.platform.distributed import distributed_settings, initialize_distributed
 
 # Seconds the job stays alive at most, whether or not DONE_FILE appears.
 MAX_SECONDS = 120

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from axcore.cli import COMMANDS, main
-from axcore.commands import BUILTIN_COMMANDS
 from axcore.experiment import builtin_experiments
+from axcore.plugin.commands import BUILTIN_COMMANDS
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 # Fixed so the golden files do not depend on how many devices this machine has.

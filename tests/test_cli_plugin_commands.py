@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-from axcore.commands import listed_plugin_commands
 from axcore.experiment import search_plugins
+from axcore.plugin.commands import listed_plugin_commands
 
 WIDGET = '''
 import jax  # A plugin's module may be heavy: the help must not import it.

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from axcore.cli import main
-from axcore.compile_report import compile_step, format_bytes, parameter_counts, parse_bytes, scan_corrected_flops
+from axcore.cli.compile import compile_step, format_bytes, parameter_counts, parse_bytes, scan_corrected_flops
 from axcore.config.traversal import is_config_of
 from axcore.errors import AxcoreError
 from axcore.experiment import load_experiment

@@ -1,4 +1,4 @@
-"""Config modifiers (axcore.config_modifiers): each one's effect, purity and failure naming its target;
+"""Config modifiers (axcore.experiment.config_modifiers): each one's effect, purity and failure naming its target;
 the per-layer remat_policy (same gradients, a checkpoint in the jaxpr); the registered family."""
 
 import jax
@@ -8,7 +8,9 @@ import pytest
 
 import axcore
 from axcore.config import dump_flat
-from axcore.config_modifiers import (
+from axcore.errors import AxcoreError, ConfigError, NoMatchError, UnknownComponentError
+from axcore.experiment import ExperimentConfig, load_experiment
+from axcore.experiment.config_modifiers import (
     REMAT_POLICIES,
     attention_kernel,
     build_modifier,
@@ -17,11 +19,9 @@ from axcore.config_modifiers import (
     microbatches,
     remat,
 )
-from axcore.errors import AxcoreError, ConfigError, NoMatchError, UnknownComponentError
-from axcore.experiment import ExperimentConfig, load_experiment
 from axcore.kernels import XlaAttention
 from axcore.layers import BaseLayer, CausalLM
-from axcore.plugins import create_plugin_manager
+from axcore.plugin.loading import create_plugin_manager
 
 from tiny import TINY
 
@@ -323,7 +323,7 @@ def test_builtin_modifiers_are_registered(registries):
     assert registries.config_modifiers.names() == sorted(
         ["attention_kernel", "compute_dtype", "mesh_shape", "microbatches", "remat"]
     )
-    assert registries.config_modifiers.entry("remat").provenance.plugin == "axcore.config_modifiers"
+    assert registries.config_modifiers.entry("remat").provenance.plugin == "axcore.experiment.config_modifiers"
 
 
 def scale_heads(num_heads: int):

@@ -3,7 +3,7 @@
 import pytest
 
 from axcore.cli import main
-from axcore.distributed import DistributedError, DistributedSettings, distributed_settings
+from axcore.platform.distributed import DistributedError, DistributedSettings, distributed_settings
 
 SLURM = {
     "SLURM_JOB_ID": "4242",

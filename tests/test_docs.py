@@ -10,10 +10,10 @@ import types
 import pytest
 
 import axcore
-from axcore import hookspecs
 from axcore.config import ConfigBase, InstantiableConfig, find
 from axcore.experiment import ExperimentConfig
 from axcore.layers import MultiheadAttention, RMSNorm
+from axcore.plugin import hookspecs
 from axcore.tools.experiment_reference import experiment_reference, field_comment
 from axcore.tools.hook_reference import hook_names, hook_reference, signature_text
 

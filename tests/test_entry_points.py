@@ -12,7 +12,7 @@ import pytest
 
 import axcore
 from axcore.errors import PluginLoadError, PluginVersionError, UnknownPluginError
-from axcore.plugins import DISABLE_AUTOLOAD_ENV, create_plugin_manager
+from axcore.plugin.loading import DISABLE_AUTOLOAD_ENV, create_plugin_manager
 
 MODULES = ("axtest_good", "axtest_broken", "axtest_unneeded")
 

@@ -13,9 +13,9 @@ import axcore
 from axcore.cli import main
 from axcore.data import Split
 from axcore.data.device_loader import shard_layout
-from axcore.evaluation import evaluate_run, windows
+from axcore.inference.evaluation import evaluate_run, windows
+from axcore.inference.run_loading import load_model
 from axcore.observe import read_jsonl_metrics
-from axcore.run_loading import load_model
 from axcore.trainer.inputs import input_pipeline
 from axcore.trainer.trainer import Trainer
 

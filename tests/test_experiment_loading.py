@@ -6,7 +6,7 @@ import os
 import pytest
 
 import axcore
-import axcore.experiment
+import axcore.experiment.loading
 from axcore.experiment import load_experiment
 from axcore.module import deep_merge
 
@@ -24,7 +24,7 @@ def events(monkeypatch):
     """Records, in order, joining the job (with XLA_FLAGS at that moment), asking the backend for its
     platform, and building the plugin manager; none of them is skipped."""
     log = []
-    platform, build = axcore.experiment.current_platform, axcore.experiment.create_plugin_manager
+    platform, build = axcore.experiment.loading.current_platform, axcore.experiment.loading.create_plugin_manager
 
     def join(settings):
         log.append(("join", settings, os.environ.get("XLA_FLAGS", "")))
@@ -37,15 +37,15 @@ def events(monkeypatch):
         log.append(("manager",))
         return build(*args, **kwargs)
 
-    monkeypatch.setattr(axcore.experiment, "initialize_distributed", join)
-    monkeypatch.setattr(axcore.experiment, "current_platform", current_platform)
-    monkeypatch.setattr(axcore.experiment, "create_plugin_manager", create_plugin_manager)
+    monkeypatch.setattr(axcore.experiment.loading, "initialize_distributed", join)
+    monkeypatch.setattr(axcore.experiment.loading, "current_platform", current_platform)
+    monkeypatch.setattr(axcore.experiment.loading, "create_plugin_manager", create_plugin_manager)
     return log
 
 
 def test_known_instance_type_sets_the_flags_then_joins_the_job_once(monkeypatch, events):
     monkeypatch.setenv("XLA_FLAGS", "--xla_keep=1")
-    monkeypatch.setattr(axcore.experiment, "probe_instance_type", lambda: "cpu-1")
+    monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: "cpu-1")
     job = object()
     overrides = ["plugins=[cpu_flags]", "mesh.instance_type=cpu-1"]
     experiment = load_experiment("default", overrides, objects={"cpu_flags": CpuFlags()}, apply_xla_flags=True,
@@ -58,7 +58,7 @@ def test_known_instance_type_sets_the_flags_then_joins_the_job_once(monkeypatch,
 
 
 def test_unknown_instance_type_joins_the_job_before_the_backend_is_asked(monkeypatch, events):
-    monkeypatch.setattr(axcore.experiment, "probe_instance_type", lambda: None)
+    monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: None)
     job = object()
     experiment = load_experiment("default", ["trainer.max_steps=3"], distributed=job)
     assert experiment.config.mesh.instance_type  # Detected once the backend started.

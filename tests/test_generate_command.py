@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from axcore.cli import main
+from axcore.inference.run_loading import load_model
 from axcore.module import functional
-from axcore.run_loading import load_model
 
 import tiny
 

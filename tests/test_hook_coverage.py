@@ -14,7 +14,7 @@ import types
 import pytest
 
 import axcore
-from axcore import hookspecs
+from axcore.plugin import hookspecs
 from axcore.tools.hook_reference import hook_names
 
 ROOT = pathlib.Path(__file__).parent.parent

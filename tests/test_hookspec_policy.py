@@ -1,4 +1,4 @@
-"""The hookspec evolution policy (axcore/hookspecs.py): specs only gain arguments,
+"""The hookspec evolution policy (axcore/plugin/hookspecs.py): specs only gain arguments,
 old plugins keep working, deprecations warn through `warn_on_impl`, and plugins can
 require a plugin API version."""
 
@@ -10,12 +10,12 @@ import pluggy
 import pytest
 
 import axcore
-from axcore import hookspecs
+from axcore.cli.plugins import describe_plugins
 from axcore.config import replace
 from axcore.errors import PluginLoadError, PluginVersionError
 from axcore.layers import CausalLM, MultiheadAttention
-from axcore.plugin_listing import describe_plugins
-from axcore.plugins import API_REQUIREMENT_ATTRIBUTE, create_plugin_manager
+from axcore.plugin import hookspecs
+from axcore.plugin.loading import API_REQUIREMENT_ATTRIBUTE, create_plugin_manager
 
 # Every hook of plugin API 1.0 and its arguments. A later spec may add hooks and
 # arguments; one listed here may lose neither (deprecate with warn_on_impl first,

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from axcore import hookspecs
+from axcore.plugin import hookspecs
 
 TESTS = pathlib.Path(__file__).parent
 HOOKS = [name for name, fn in vars(hookspecs).items() if name.startswith("axcore_") and inspect.isfunction(fn)]

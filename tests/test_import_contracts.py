@@ -1,8 +1,8 @@
 """The core's layer contracts (`[tool.importlinter]` in pyproject.toml), checked by import-linter.
 
 The contracts say which of axcore's modules may import which: lower layers never import
-higher ones, and no packages or modules import each other in a cycle (with the few
-package-level cycles the package re-layout removes listed by name). A deliberately
+higher ones (between packages, and inside the packages with layers of their own), and
+no packages or modules import each other in a cycle, with no exceptions listed. A deliberately
 upward import in a copy of the package must break them, so the passing run cannot be
 vacuous.
 """
@@ -12,6 +12,8 @@ import pathlib
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -31,11 +33,19 @@ def test_the_layer_contracts_hold():
     assert "0 broken" in proc.stdout and "KEPT" in proc.stdout
 
 
-def test_an_upward_import_breaks_them(tmp_path):
+@pytest.mark.parametrize(
+    "lower, upper",
+    [
+        ("errors", "axcore.cli"),  # Across the package layers.
+        ("plugin/entry_points", "axcore.plugin.manager"),  # Inside a package with layers of its own.
+    ],
+)
+def test_an_upward_import_breaks_them(tmp_path, lower, upper):
     shutil.copytree(ROOT / "axcore", tmp_path / "axcore", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    errors = tmp_path / "axcore" / "errors.py"
-    errors.write_text(errors.read_text() + "\n\ndef _late():\n    import axcore.cli  # An upward import.\n")
+    module = tmp_path / "axcore" / f"{lower}.py"
+    module.write_text(module.read_text() + f"\n\ndef _late():\n    import {upper}  # An upward import.\n")
     proc = _lint_imports(tmp_path, tmp_path)
     assert proc.returncode != 0, proc.stdout[-4000:]
-    assert "axcore.errors is not allowed to import axcore.cli" in proc.stdout, proc.stdout[-4000:]
+    importer = "axcore." + lower.replace("/", ".")
+    assert f"{importer} is not allowed to import {upper}" in proc.stdout, proc.stdout[-4000:]

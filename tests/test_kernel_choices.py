@@ -8,7 +8,7 @@ from axcore.cli import main
 from axcore.config import replace
 from axcore.kernels import XlaAttention, describe_kernel_choices
 from axcore.layers import MultiheadAttention
-from axcore.mesh import MeshRule
+from axcore.platform.mesh import MeshRule
 
 from tiny import TINY
 

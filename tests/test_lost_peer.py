@@ -1,7 +1,7 @@
 """A lost process in a two-process `jax.distributed` job on 127.0.0.1 (2 CPU devices each).
 
 Checked: once a checkpoint is committed, SIGKILL one process; the other exits within a
-few seconds with exit status 75 and a message naming the lost process (axcore.peer_watch;
+few seconds with exit status 75 and a message naming the lost process (axcore.platform.peer_watch;
 without it, it would wait in a collective until JAX's heartbeat timeout and then abort).
 Restarting both with the same run directory resumes from the last committed checkpoint,
 recomputes the same losses as before the loss and finishes. Every process runs in its
@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from axcore.distributed import DistributedError, distributed_settings
+from axcore.platform.distributed import DistributedError, distributed_settings
 
 import tiny
 
@@ -30,7 +30,7 @@ LAUNCH_TIMEOUT = 180
 STOP_TIMEOUT = 30
 # JAX's heartbeat timeout for these runs: the bound if the peer watch failed to stop the survivor.
 HEARTBEAT_TIMEOUT = 10
-# Exit status of a process stopped because a peer was lost (axcore.peer_watch.PEER_LOST_EXIT).
+# Exit status of a process stopped because a peer was lost (axcore.platform.peer_watch.PEER_LOST_EXIT).
 PEER_LOST_EXIT = 75
 CHECKPOINT_EVERY = 4
 LOSS_RTOL = 1e-5

@@ -6,11 +6,11 @@ import pytest
 
 import axcore
 from axcore.cli import main
-from axcore.config_modifiers import attention_kernel, compute_dtype, microbatches, remat
 from axcore.errors import AxcoreError, ConfigError, MissingRequiredError, UnknownComponentError
 from axcore.experiment import load_experiment
+from axcore.experiment.config_modifiers import attention_kernel, compute_dtype, microbatches, remat
 from axcore.kernels import XlaAttention
-from axcore.mesh import AmbiguousMeshRuleError, MeshRule, NoMeshRuleError, select_mesh_rule
+from axcore.platform.mesh import AmbiguousMeshRuleError, MeshRule, NoMeshRuleError, select_mesh_rule
 
 from tiny import TINY
 
@@ -117,9 +117,9 @@ def test_one_experiment_resolves_to_a_layout_per_instance_type(tmp_path, capsys)
 
 def test_without_the_hardware_plugin_the_default_rule_applies(tmp_path):
     exp = load_experiment(_write(tmp_path, EXPERIMENT), ["mesh.instance_type=gpu-h100-8"])
-    assert exp.config.mesh.rule == "default" and exp.mesh_rule == "default (plugin axcore.mesh)"
+    assert exp.config.mesh.rule == "default" and exp.mesh_rule == "default (plugin axcore.platform.mesh)"
     assert exp.mesh_modifiers == [] and exp.config.mesh.mesh_shape == (-1,)
-    assert exp.flat().endswith("# mesh rule: default (plugin axcore.mesh); modifiers: none\n")
+    assert exp.flat().endswith("# mesh rule: default (plugin axcore.platform.mesh); modifiers: none\n")
 
 
 # -- Precedence ---------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def test_mesh_fields_the_experiment_sets_win_over_the_rule_and_its_modifiers(tmp
          r"'mesh_rules\[0\]\.instance_type': 'cpu-\(' is not a regular expression"),
         ("{instance_type: 'cpu-.*'}", MissingRequiredError, r"'mesh_rules\[0\]' needs name"),
         ("{name: default, instance_type: 'cpu-.*'}", ConfigError,
-         r"'mesh_rules\[0\]\.name': 'default' is a mesh rule of plugin 'axcore.mesh'"),
+         r"'mesh_rules\[0\]\.name': 'default' is a mesh rule of plugin 'axcore.platform.mesh'"),
         ("{name: a, instance_type: 'cpu-.*', mesh_shape: [2, -1]}", ConfigError,
          r"'mesh_rules\[0\]': mesh_shape \[2, -1\] needs positive sizes \(one -1 at most\), one per name of "
          r"mesh_axis_names \['data'\]"),
@@ -278,7 +278,7 @@ def test_yaml_rules_round_trip_and_take_overrides(tmp_path):
     ("neuron-trn2-16", ("neuron", "trn2", 16)), ("gpu", ("gpu", None, None)), ("gpu-h100", ("gpu", "h100", None)),
 ])
 def test_an_instance_type_parses_into_platform_kind_and_count(text, parts):
-    from axcore.mesh import InstanceType, instance_platform
+    from axcore.platform.mesh import InstanceType, instance_platform
 
     parsed = InstanceType.parse(text)
     assert (parsed.platform, parsed.kind, parsed.count) == parts and instance_platform(text) == parts[0]

@@ -11,7 +11,7 @@ import pytest
 from axcore.checkpoint import CheckpointError
 from axcore.cli import main
 from axcore.experiment import load_experiment
-from axcore.run_loading import load_model, save_model
+from axcore.inference.run_loading import load_model, save_model
 from axcore.trainer.trainer import Trainer
 
 import tiny

@@ -1,4 +1,4 @@
-"""The peer watch (`axcore.peer_watch`) trusts only the job's own processes.
+"""The peer watch (`axcore.platform.peer_watch`) trusts only the job's own processes.
 
 In one process: process 0's end (`_Watch.serve`) with its loss handler replaced by a
 recorder, and raw sockets or a real peer end (`_Watch.connect`) talking to it. The
@@ -30,8 +30,8 @@ import time
 
 import pytest
 
-from axcore import peer_watch
-from axcore.peer_watch import _Watch
+from axcore.platform import peer_watch
+from axcore.platform.peer_watch import _Watch
 
 SECRET = bytes(range(32))
 # Seconds a test waits for something that should happen at once.

@@ -1,11 +1,11 @@
-"""The plugin kernel's small pure parts: parsing a `plugins:` entry (axcore/plugin_requests.py) and
-merging the plugins' compiler-flag answers (axcore/plugin_flags.py), without a plugin manager."""
+"""The plugin kernel's small pure parts: parsing a `plugins:` entry (axcore/plugin/requests.py) and
+merging the plugins' compiler-flag answers (axcore/plugin/flags.py), without a plugin manager."""
 
 import pytest
 
 from axcore.errors import ConfigError, PluginConflictError, PluginLoadError
-from axcore.plugin_flags import choose_flags_environment, merge_xla_flags
-from axcore.plugin_requests import PluginRequest
+from axcore.plugin.flags import choose_flags_environment, merge_xla_flags
+from axcore.plugin.requests import PluginRequest
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from axcore.errors import (
 )
 from axcore.kernels import SUPPORTED, AttentionProblem, Op, Problem
 from axcore.layers import CausalLM, FeedForward, LearnedPositionEmbedding, MultiheadAttention, PositionEmbedding
-from axcore.mesh import MeshRule, select_mesh_rule
+from axcore.platform.mesh import MeshRule, select_mesh_rule
 
 
 class DoubledFeedForward(FeedForward):

@@ -8,9 +8,9 @@ import pytest
 
 import axcore
 from axcore.cli import main
+from axcore.cli.plugins import PLUGIN_JSON_KEYS
 from axcore.layers import FeedForward
-from axcore.plugin_listing import PLUGIN_JSON_KEYS
-from axcore.plugins import (
+from axcore.plugin.loading import (
     LOAD_PLUGINS_ENV,
     PluginExcludedError,
     create_plugin_manager,

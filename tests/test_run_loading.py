@@ -1,4 +1,4 @@
-"""`axcore.run_loading`: a run directory made by `axcore train` loads back to the run's final parameters,
+"""`axcore.inference.run_loading`: a run directory made by `axcore train` loads back to the run's final parameters,
 through either checkpoint backend, from the run, checkpoints/ or step directory; bad paths and steps
 are one-line RunLoadErrors; `save_model` writes a run directory that loads back."""
 
@@ -11,7 +11,7 @@ import pytest
 from axcore.checkpoint import CheckpointError
 from axcore.cli import main
 from axcore.experiment import load_experiment
-from axcore.run_loading import LoadedModel, RunLoadError, load_model, locate_run, save_model
+from axcore.inference.run_loading import LoadedModel, RunLoadError, load_model, locate_run, save_model
 from axcore.trainer.trainer import Trainer
 
 import tiny

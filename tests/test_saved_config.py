@@ -12,7 +12,7 @@ from axcore.config import replace
 from axcore.errors import AxcoreError, ConfigError
 from axcore.experiment import RESOLVED_KEY, builtin_experiments, load_experiment
 from axcore.layers import CausalLM, FeedForward
-from axcore.plugins import installed_entry_points
+from axcore.plugin.loading import installed_entry_points
 
 FIXED_MESH = "mesh.instance_type=cpu-1"
 

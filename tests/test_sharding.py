@@ -1,4 +1,4 @@
-"""axcore.sharding and the sharding dump, in-process on abstract meshes (no devices needed).
+"""axcore.platform.sharding and the sharding dump, in-process on abstract meshes (no devices needed).
 
 The 8-device training and layout checks are in test_multi_device.py.
 """
@@ -12,11 +12,12 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 
 import axcore
 from axcore.cli import main
+from axcore.cli.shardings import sharding_report
 from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
 from axcore.kernels import op_environment
 from axcore.params import ParameterSpec
-from axcore.sharding import (
+from axcore.platform.sharding import (
     DEFAULT_AXIS_RULES,
     activation_spec,
     batch_sharding,
@@ -25,7 +26,6 @@ from axcore.sharding import (
     parameter_shardings,
     resolve_rules,
 )
-from axcore.sharding_report import sharding_report
 
 import tiny
 

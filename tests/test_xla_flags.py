@@ -11,12 +11,12 @@ import types
 import pytest
 
 import axcore
-import axcore.experiment
-import axcore.instance_probe
+import axcore.experiment.loading
+import axcore.plugin.instance_probe
 from axcore.errors import ConfigError, PluginConflictError, PluginLoadError
 from axcore.experiment import load_experiment
-from axcore.plugins import probe_instance_type
-from axcore.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
+from axcore.platform.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
+from axcore.plugin.loading import probe_instance_type
 
 import tiny
 
@@ -102,13 +102,13 @@ def test_flags_are_applied_only_for_this_machines_platform(monkeypatch, caplog):
     objects = {"flags": FlagPlugin("gpu", {"xla_a": "true"})}
     overrides = ["plugins=[flags]", "mesh.instance_type=gpu-h100-8"]
     monkeypatch.setenv("XLA_FLAGS", "--xla_keep=1")
-    monkeypatch.setattr(axcore.experiment, "probe_instance_type", lambda: "gpu-h100-8")
+    monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: "gpu-h100-8")
     load_experiment("default", overrides, objects=objects, apply_xla_flags=True)
     assert os.environ["XLA_FLAGS"] == "--xla_keep=1 --xla_a=true"
     # Resolving a GPU experiment on a CPU machine lists the flags but never sets them here.
     monkeypatch.setenv("XLA_FLAGS", "--xla_keep=1")
-    monkeypatch.setattr(axcore.experiment, "probe_instance_type", lambda: "cpu-1")
-    with caplog.at_level(logging.WARNING, logger="axcore.experiment"):
+    monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: "cpu-1")
+    with caplog.at_level(logging.WARNING, logger="axcore.experiment.loading"):
         experiment = load_experiment("default", overrides, objects=objects, apply_xla_flags=True)
     assert experiment.config.xla_flags == {"xla_a": "true"}
     assert os.environ["XLA_FLAGS"] == "--xla_keep=1"
@@ -117,8 +117,8 @@ def test_flags_are_applied_only_for_this_machines_platform(monkeypatch, caplog):
 
 def test_probe_reads_jax_platforms_then_asks_installed_plugins(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=3")
-    monkeypatch.setattr(axcore.experiment, "probe_instance_type", probe_instance_type)
-    monkeypatch.setattr("axcore.instance_probe._jax_platforms", lambda: "cpu")
+    monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", probe_instance_type)
+    monkeypatch.setattr("axcore.plugin.instance_probe._jax_platforms", lambda: "cpu")
     assert probe_instance_type() == "cpu-3"
 
     calls = []
@@ -134,8 +134,8 @@ def test_probe_reads_jax_platforms_then_asks_installed_plugins(monkeypatch):
     broken = types.SimpleNamespace(axcore_probe_instance_type=lambda: 1 / 0)
     other = types.SimpleNamespace(axcore_probe_instance_type=lambda: "never-asked-1")  # Not a hardware name.
     found = {"tpu": [entry_point(silent)], "gpu": [entry_point(broken)], "neuron": [entry_point(gpu)], "rope": [entry_point(other)]}
-    monkeypatch.setattr("axcore.instance_probe._jax_platforms", lambda: "")
-    monkeypatch.setattr(axcore.instance_probe, "installed_entry_points", lambda: found)
+    monkeypatch.setattr("axcore.plugin.instance_probe._jax_platforms", lambda: "")
+    monkeypatch.setattr(axcore.plugin.instance_probe, "installed_entry_points", lambda: found)
     assert probe_instance_type() == "gpu-h100-2"  # The broken plugin is skipped with a warning.
     assert calls == [broken, silent, gpu]  # gpu, tpu, neuron; never the feature plugin.
     monkeypatch.setenv("AXCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
@@ -189,7 +189,7 @@ def test_a_plugin_sends_the_flags_to_another_variable(monkeypatch):
     overrides = ["plugins=[tpu_flags]", "mesh.instance_type=tpu-v5p-8"]
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_keep=1")
-    monkeypatch.setattr(axcore.experiment, "probe_instance_type", lambda: "tpu-v5p-8")
+    monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: "tpu-v5p-8")
     experiment = load_experiment("default", overrides, objects=objects, apply_xla_flags=True)
     assert experiment.flags_variable == "LIBTPU_INIT_ARGS"
     assert "# xla_flags go to LIBTPU_INIT_ARGS" in experiment.flat()

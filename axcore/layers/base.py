@@ -39,7 +39,7 @@ from axcore.kernels.dot import DOT, DotProblem, dot_problem
 from axcore.kernels.registry import Kernel, Op, Problem, current_environment
 from axcore.module import Module, no_context
 from axcore.params import FanAxes, Initializer, ParameterSpec, ParamInit, constant
-from axcore.sharding import activation_spec, constrain
+from axcore.platform.sharding import activation_spec, constrain
 
 # Key of kernel state (e.g. quantization scales) in a layer's parameter tree.
 KERNEL_STATE = "kernel_state"
@@ -249,7 +249,7 @@ class BaseLayer(Module):
 
     def _constrain(self, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
         """x with a sharding constraint from its logical axes (e.g. `("batch", "seq", "embed")`) under the
-        traced mesh and axis rules; x unchanged outside a mesh. See `axcore.sharding.constrain`."""
+        traced mesh and axis rules; x unchanged outside a mesh. See `axcore.platform.sharding.constrain`."""
         env = current_environment()
         return constrain(x, axes, env.mesh, env.axis_rules)
 

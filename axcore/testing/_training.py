@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from axcore.data import Split
-from axcore.experiment import Experiment, load_experiment
+from axcore.experiment.loading import Experiment, load_experiment
 from axcore.module import functional
 
 # Overrides that shrink the built-in experiments (`default`, `scan`) to a model that compiles in seconds.

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axcore.experiment import load_experiment
-from axcore.plugins import create_plugin_manager
+from axcore.experiment.loading import load_experiment
+from axcore.plugin.loading import create_plugin_manager
 from axcore.testing import _attention, _checkpoint, _decoding, _position, _transform
 from axcore.testing._training import TINY_OVERRIDES
 

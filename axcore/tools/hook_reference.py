@@ -3,7 +3,7 @@
     python -m axcore.tools.hook_reference > docs/hooks.md
 
 `tests/test_docs.py` checks that docs/hooks.md equals `hook_reference()`, so the
-reference never goes stale: edit a docstring in `axcore/hookspecs.py`, then rerun
+reference never goes stale: edit a docstring in `axcore/plugin/hookspecs.py`, then rerun
 the command above.
 """
 
@@ -12,13 +12,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from axcore import hookspecs
+from axcore.plugin import hookspecs
 from axcore.registry import family_hook
 
 _HEADER = """\
 # Hook reference
 
-Every hook a plugin can implement, generated from `axcore/hookspecs.py` by
+Every hook a plugin can implement, generated from `axcore/plugin/hookspecs.py` by
 `python -m axcore.tools.hook_reference > docs/hooks.md` (plugin API {version}). Implement one
 with `@axcore.hookimpl` on a module-level function (or a method of a plugin object) of
 the same name; it may take any subset of the arguments, by name. How to package and
@@ -28,7 +28,7 @@ enable a plugin: [writing-a-plugin.md](writing-a-plugin.md).
 
 
 def hook_names() -> list[str]:
-    """Names of every hookspec of `axcore.hookspecs`, in source order."""
+    """Names of every hookspec of `axcore.plugin.hookspecs`, in source order."""
     return [name for name, fn in vars(hookspecs).items() if name.startswith("axcore_") and inspect.isfunction(fn)]
 
 

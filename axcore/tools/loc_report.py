@@ -45,9 +45,9 @@ import numpy as np
 import axcore
 from axcore import hookimpl
 from axcore.config import ConfigBase, InstantiableConfig, flatten, replace, walk
-from axcore.experiment import builtin_experiments, load_experiment, read_experiment_file
+from axcore.experiment.loading import builtin_experiments, load_experiment, read_experiment_file
 from axcore.module import functional
-from axcore.plugins import _load_entry_point, installed_entry_points
+from axcore.plugin.loading import _load_entry_point, installed_entry_points
 
 TRANSFORM_HOOK = "axcore_transform_config"
 CORE_ROOT = pathlib.Path(axcore.__file__).parent
@@ -434,3 +434,7 @@ def format_table(rows: list[PluginLoc]) -> str:
         cells += [str(r.touched[f]) for f in families]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # python -m axcore.tools.loc_report, the same table as `axcore loc`.
+    sys.stdout.write(format_table(loc_report()))

@@ -29,10 +29,10 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from axcore.distributed import is_primary
 from axcore.generation import Generator, Sampling
 from axcore.observe import plot_loss_curve
 from axcore.observe.factories import JsonlWriterFactory
+from axcore.platform.distributed import is_primary
 
 # `RunEnd.results` key of the end-of-run sample's text (the loop's `TrainResult.sample`).
 SAMPLE = "sample"

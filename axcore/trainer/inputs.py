@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from axcore.data import DataError, Split
 from axcore.data.device_loader import ShardLayout
-from axcore.distributed import allgather_json
+from axcore.platform.distributed import allgather_json
 
 # Share of the step time spent waiting for data above which DataWaitMeter warns.
 DATA_WAIT_WARN_FRACTION = 0.1

@@ -3,7 +3,7 @@
 A *parameters-only* checkpoint holds the tree `{"params": ...}` and the metadata
 `params_only_metadata(step, seed)`: `{"params_only": true, "step": N, "seed": S, "input":
 null}` (no input position: training from it reads its data from the beginning; older
-imports' `{"epoch": 0, "position": 0}` is ignored the same way). It is what `axcore.run_loading.save_model` (and so
+imports' `{"epoch": 0, "position": 0}` is ignored the same way). It is what `axcore.inference.run_loading.save_model` (and so
 `axcore convert hf-to-axcore`) writes: no optimizer moments, which are a fresh optimizer's
 zeros anyway, so the checkpoint is a third of a train state's size and loading it for
 inference reads nothing but the weights.

@@ -19,7 +19,7 @@ learner and the mesh, and derives, without allocating anything:
   recording the kernel each op got and refusing a step too big for the device memory.
 
 It creates no run directory, prints nothing and talks to no other process, so
-`axcore.run_loading`, `axcore.evaluation` and `axcore.compile_report` build one cheaply;
+`axcore.inference.run_loading`, `axcore.inference.evaluation` and `axcore.cli.compile` build one cheaply;
 the training loop (`axcore.trainer.trainer.Trainer`) holds one.
 """
 
@@ -39,7 +39,7 @@ from axcore.data.schema import BATCH_SCHEMA
 from axcore.errors import ConfigError
 from axcore.kernels import describe_kernel_choices, op_environment, record_kernel_choices
 from axcore.learning.objectives import Objective
-from axcore.sharding import batch_sharding, check_batch_size, make_mesh, parameter_shardings, resolve_rules
+from axcore.platform.sharding import batch_sharding, check_batch_size, make_mesh, parameter_shardings, resolve_rules
 from axcore.trainer.evaluate import EvalTotals, accumulate_step, run_evaluation
 from axcore.trainer.gradients import accumulated_gradients
 from axcore.trainer.learner import (
@@ -51,7 +51,7 @@ from axcore.trainer.learner import (
 from axcore.trainer.memory_check import check_compiled_memory
 
 if TYPE_CHECKING:  # The trainer is given a loaded experiment; it never loads one.
-    from axcore.experiment import Experiment
+    from axcore.experiment.loading import Experiment
 
 # The train state's entry holding the objective's own state (only when it keeps one).
 OBJECTIVE_STATE = "objective"
@@ -127,7 +127,7 @@ class TrainStep:
         self.experiment = experiment
         self.cfg = cfg = experiment.config
         self.mesh = make_mesh(cfg.mesh.mesh_shape, cfg.mesh.mesh_axis_names, devices)
-        # Logical -> mesh axes: the mesh rule's axis_rules over axcore.sharding.DEFAULT_AXIS_RULES.
+        # Logical -> mesh axes: the mesh rule's axis_rules over axcore.platform.sharding.DEFAULT_AXIS_RULES.
         self.axis_rules = resolve_rules(cfg.mesh.axis_rules)
         self.model = cfg.model.instantiate(name="model", registries=experiment.registries)
         BATCH_SCHEMA.check_accepted(self.model.accepted_batch_fields(), f"model ({type(self.model).__name__})")

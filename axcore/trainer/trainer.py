@@ -40,9 +40,9 @@ from jax.experimental import multihost_utils
 
 from axcore.data import Split
 from axcore.data.device_loader import DeviceLoader
-from axcore.distributed import is_primary
 from axcore.errors import AxcoreError, one_line
 from axcore.observe import MultiWriter, ProgressLog
+from axcore.platform.distributed import is_primary
 from axcore.trainer.callbacks import SAMPLE, Callback, RunEnd, default_callbacks, sample_text
 from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.evaluate import EvalTotals
@@ -53,7 +53,7 @@ from axcore.trainer.run_dir import RunDirectory, RunDirectoryError
 from axcore.trainer.step import TrainStep
 
 if TYPE_CHECKING:  # The trainer is given a loaded experiment; it never loads one.
-    from axcore.experiment import Experiment
+    from axcore.experiment.loading import Experiment
 
 
 class NonFiniteLossError(AxcoreError):

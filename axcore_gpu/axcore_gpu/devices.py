@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from axcore.kernels import current_environment
-from axcore.mesh import InstanceType
+from axcore.platform.mesh import InstanceType
 
 # A CUDA device's `compute_capability` attribute reads like "9.0"; ROCm devices have none of that form.
 _CAPABILITY = re.compile(r"(\d+)\.(\d+)")

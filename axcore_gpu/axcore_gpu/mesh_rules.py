@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from axcore.errors import ConfigError
-from axcore.mesh import MeshRule
+from axcore.platform.mesh import MeshRule
 
 # Device kinds of `detect_instance_type` (the first token like h100 in device_kind) that get a rule.
 GPU_KINDS = ("h100", "h200", "a100", "b200")

@@ -29,7 +29,7 @@ import os
 import pathlib
 from collections.abc import Mapping
 
-from axcore.mesh import InstanceType, device_kind_token
+from axcore.platform.mesh import InstanceType, device_kind_token
 
 # Bytes of gradients one all-reduce may combine; all-gather and reduce-scatter scale from it.
 COMBINE_THRESHOLD_BYTES = 1 << 30

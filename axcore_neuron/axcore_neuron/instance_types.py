@@ -1,7 +1,7 @@
 """Trainium instance types `neuron-<kind>-N`, and finding this host's without starting JAX.
 
 N counts JAX devices, i.e. *logical* NeuronCores, as for every axcore instance type
-(`axcore.mesh.detect_instance_type` counts `jax.devices()`). The kind is one of:
+(`axcore.platform.mesh.detect_instance_type` counts `jax.devices()`). The kind is one of:
 
     kind   chip        cores per chip   cores per node (the largest instance)
     trn1   Trainium1   2 NeuronCore-v2  32 (trn1.32xlarge, trn1n.32xlarge)

@@ -49,11 +49,11 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from axcore.config import InstantiableConfig, get_path, walk
-from axcore.config_modifiers import REMAT_POLICIES, Modifier, compute_dtype, matching_configs
 from axcore.errors import ConfigError
-from axcore.mesh import MeshRule
+from axcore.experiment.config_modifiers import REMAT_POLICIES, Modifier, compute_dtype, matching_configs
 from axcore.params import ParameterSpec
-from axcore.sharding import resolve_rules
+from axcore.platform.mesh import MeshRule
+from axcore.platform.sharding import resolve_rules
 
 from axcore_neuron.instance_types import TRN1, TRN2, TRN2_LNC1, NeuronKind, require_instance_type
 
@@ -83,7 +83,7 @@ RULES: tuple[tuple[str, str, NeuronKind], ...] = (
 def _registries(registries: Any) -> Any:
     if registries is not None:
         return registries
-    from axcore.plugins import builtin_registries  # Deferred: only when called without a manager.
+    from axcore.plugin.loading import builtin_registries  # Deferred: only when called without a manager.
 
     return builtin_registries()
 

@@ -18,8 +18,8 @@ import re
 from typing import Any
 
 from axcore.config import get_path
-from axcore.config_modifiers import Modifier, matching_configs
 from axcore.errors import ConfigError, UnknownComponentError
+from axcore.experiment.config_modifiers import Modifier, matching_configs
 
 from axcore_tpu.remat import DECODER_LAYERS
 
@@ -36,7 +36,7 @@ def int8_dot(paths: str = DECODER_LAYERS) -> Modifier:
         from axcore.layers.base import BaseLayer
 
         if registries is None:
-            from axcore.plugins import builtin_registries  # Deferred: the plugin manager imports modifiers.
+            from axcore.plugin.loading import builtin_registries  # Deferred: the plugin manager imports modifiers.
 
             registries = builtin_registries()
         names = sorted(k.name for k in registries.kernels.candidates("dot"))

@@ -12,7 +12,7 @@ parallelism over DCN (`data` = S: each slice holds a full fsdp-sharded copy, gra
 are all-reduced across slices), MaxText's default layout (`ici_fsdp_parallelism=-1`,
 `dcn_data_parallelism=-1`). `tensor` (size 1) is there so that `mesh.mesh_shape:
 [1, -1, 4]` adds tensor parallelism without renaming axes. Axis rules: batch ->
-(data, fsdp), embed -> fsdp (the defaults of `axcore.sharding`, written out).
+(data, fsdp), embed -> fsdp (the defaults of `axcore.platform.sharding`, written out).
 
 Config modifiers, in order:
 
@@ -39,9 +39,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from axcore.config_modifiers import attention_kernel as attention_kernel_modifier, compute_dtype
 from axcore.errors import ConfigError
-from axcore.mesh import MeshRule
+from axcore.experiment.config_modifiers import attention_kernel as attention_kernel_modifier, compute_dtype
+from axcore.platform.mesh import MeshRule
 
 from axcore_tpu.instance_types import CANONICAL_GENERATIONS, instance_type_pattern, parse_instance_type
 from axcore_tpu.remat import DECODER_LAYERS, tpu_remat

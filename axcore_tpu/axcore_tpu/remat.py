@@ -1,6 +1,6 @@
 """Rematerialization for TPU runs: the mesh rules' default policy, and offloading to host memory.
 
-Two config modifiers (`axcore.config_modifiers` conventions: a new config, never an
+Two config modifiers (`axcore.experiment.config_modifiers` conventions: a new config, never an
 edit of the input; errors name the modifier):
 
 - `tpu_remat(policy, paths)`, in the TPU mesh rules: the built-in `remat(policy,
@@ -35,9 +35,9 @@ from typing import Any
 import jax
 
 from axcore.config import get_path, walk
-from axcore.config_modifiers import Modifier, matching_configs, remat
 from axcore.errors import AxcoreError, ConfigError, NoMatchError
-from axcore.mesh import instance_platform
+from axcore.experiment.config_modifiers import Modifier, matching_configs, remat
+from axcore.platform.mesh import instance_platform
 
 # The transformer layers of axcore's decoders: decoder.layer0, layer1, ... (stacked) or
 # decoder.layer (the unit a RepeatedTransformer scans).
@@ -103,7 +103,7 @@ def remat_offload(paths: str = DECODER_LAYERS) -> Modifier:
                 f"memory: {why}; it needs {' or '.join(HOST_OFFLOAD_PLATFORMS)}. Use remat (e.g. policy full) instead."
             )
         if registries is None:
-            from axcore.plugins import builtin_registries  # Deferred: the plugin manager imports modifiers.
+            from axcore.plugin.loading import builtin_registries  # Deferred: the plugin manager imports modifiers.
 
             registries = builtin_registries()
         targets = matching_configs(self, config, registries, pattern, BaseLayer, "layer", outermost=True)

@@ -25,8 +25,8 @@ from axcore.config import ConfigBase, ConfigValidationError, Size, from_dict, ra
 from axcore.config.constraints import Depth, Length, Width, _split
 from axcore.errors import UnknownFieldError
 from axcore.experiment import ExperimentConfig, load_experiment
+from axcore.experiment.validation import _parameter_bytes_problem
 from axcore.params import ParameterSpec, constant
-from axcore.validation import _parameter_bytes_problem
 
 WORKER = pathlib.Path(__file__).with_name("size_bounds_worker.py")
 # Address space the worker may map: JAX and a failing `axcore config` need well under it (measured: 0.9 GB

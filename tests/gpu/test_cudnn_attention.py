@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
 from axcore.kernels import ATTENTION, AttentionProblem, XlaAttention
-from axcore.plugins import create_plugin_manager
+from axcore.plugin.loading import create_plugin_manager
 
 import axcore_gpu.plugin
 from axcore_gpu import CudnnAttention, cuda_compute_capability, dot_product_attention_arguments

@@ -42,7 +42,7 @@ def test_import_and_gpu_resolution_probe_no_device():
     """With an unknown JAX platform, any backend initialization would raise; nothing may initialize one."""
     code = (
         "import axcore_gpu.plugin\n"
-        "from axcore.experiment import load_experiment\n"
+        "from axcore.experiment.loading import load_experiment\n"
         "exp = load_experiment(None, ['mesh.instance_type=gpu-h100-8'], objects={'gpu': axcore_gpu.plugin})\n"
         "print(exp.config.mesh.rule, exp.config.model.compute_dtype)\n"
         "import jax\n"
@@ -133,7 +133,7 @@ def test_resolved_gpu_h100_8_config_matches_golden_file(request, capsys):
 
 
 def test_plugin_registers_cudnn_then_pallas_then_the_reference():
-    from axcore.plugins import create_plugin_manager
+    from axcore.plugin.loading import create_plugin_manager
 
     kernels = create_plugin_manager(["gpu"], objects={"gpu": axcore_gpu.plugin}).registries.kernels
     order = [kernel.name for kernel in kernels.candidates("attention")]

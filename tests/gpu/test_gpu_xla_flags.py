@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import axcore.experiment
+import axcore.experiment.loading
 from axcore.experiment import load_experiment
 
 import axcore_gpu.plugin
@@ -45,7 +45,7 @@ def test_every_recommended_flag_is_known_to_this_jaxlib():
     # XLA aborts on an unknown flag in XLA_FLAGS when any backend starts (its GPU flags are
     # parsed on CPU too), so a renamed or removed flag fails here rather than on a cluster.
     flags = gpu_xla_flags("gpu-h100-16")
-    out = _start_backend_with(axcore.xla_flags.format_xla_flags(flags))
+    out = _start_backend_with(axcore.platform.xla_flags.format_xla_flags(flags))
     assert out.returncode == 0 and out.stdout.strip() == "3.0", out.stderr[-1000:]
     bogus = _start_backend_with("--xla_gpu_no_such_flag_for_axcore=true")
     assert bogus.returncode != 0 and "Unknown flag" in bogus.stderr
@@ -107,6 +107,6 @@ def test_gpu_experiment_lists_the_plugins_flags_and_the_users_override():
 
 def test_train_on_a_probed_gpu_sets_the_flags(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "")
-    monkeypatch.setattr(axcore.experiment, "probe_instance_type", lambda: "gpu-h100-1")
+    monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: "gpu-h100-1")
     load_experiment("default", ["mesh.instance_type=gpu-h100-1"], objects={"gpu": axcore_gpu.plugin}, apply_xla_flags=True)
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_latency_hiding_scheduler=true"

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-import axcore.experiment
+import axcore.experiment.loading
 from axcore.experiment import load_experiment
 
 import axcore_neuron.instance_types as instance_types
@@ -116,7 +116,7 @@ def test_probe_needs_jax_with_the_neuron_plugin(monkeypatch):
 def test_a_probed_trainium_host_gets_the_flags_in_neuron_cc_flags(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setenv("NEURON_CC_FLAGS", "--optlevel=2")  # The user's flag wins over the plugin's.
-    monkeypatch.setattr(axcore.experiment, "probe_instance_type", lambda: "neuron-trn2-64")
+    monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: "neuron-trn2-64")
     exp = load_experiment("default", ["mesh.instance_type=neuron-trn2-64"], objects=OBJECTS, apply_xla_flags=True)
     assert exp.flags_variable == "NEURON_CC_FLAGS" and os.environ["XLA_FLAGS"] == ""
     written = os.environ["NEURON_CC_FLAGS"].split()

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from axcore.cli import main
-from axcore.config_modifiers import build_modifier
 from axcore.errors import ConfigError, NoMatchError
 from axcore.experiment import ExperimentConfig, load_experiment
-from axcore.plugins import create_plugin_manager
+from axcore.experiment.config_modifiers import build_modifier
+from axcore.plugin.loading import create_plugin_manager
 
 import axcore_neuron.plugin
 from axcore_neuron import neuron_mesh_rules, remat_transformer_layers, tensor_parallel
@@ -56,7 +56,7 @@ def test_import_probe_and_neuron_resolution_start_no_backend():
         "import axcore_neuron.plugin as plugin\n"
         "from axcore_neuron.instance_types import probe_neuron_instance_type\n"
         "assert probe_neuron_instance_type() is None and plugin.axcore_probe_instance_type() is None\n"
-        "from axcore.experiment import load_experiment\n"
+        "from axcore.experiment.loading import load_experiment\n"
         "exp = load_experiment(None, ['mesh.instance_type=neuron-trn2-16'], objects={'neuron': plugin})\n"
         "print(exp.config.mesh.rule, exp.config.model.compute_dtype, *exp.config.mesh.mesh_shape)\n"
         "import jax\n"

@@ -18,10 +18,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import axcore  # noqa: E402
+from axcore.checkpoint.interop import ConversionError  # noqa: E402
 from axcore.cli import main  # noqa: E402
 from axcore.errors import DuplicateComponentError, PluginLoadError  # noqa: E402
-from axcore.interop import ConversionError  # noqa: E402
-from axcore.run_loading import load_model, save_model  # noqa: E402
+from axcore.inference.run_loading import load_model, save_model  # noqa: E402
 
 from axcore_hf import LlamaConverter, axcore_to_hf, hf_to_axcore  # noqa: E402
 from axcore_rope import RotarySettings, rotary_frequencies  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from axcore.run_loading import load_model  # noqa: E402
+from axcore.inference.run_loading import load_model  # noqa: E402
 
 from axcore_hf import hf_to_axcore  # noqa: E402
 

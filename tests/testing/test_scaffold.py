@@ -8,7 +8,7 @@ import sysconfig
 import pytest
 
 from axcore.cli import main
-from axcore.scaffold import KINDS
+from axcore.cli.new_plugin import KINDS
 
 TIMEOUT_S = 300
 

@@ -18,7 +18,7 @@ from axcore.data import Split
 from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
 from axcore.layers.base import checkpoint_policy
-from axcore.plugins import create_plugin_manager
+from axcore.plugin.loading import create_plugin_manager
 
 import axcore_tpu.plugin
 from axcore_tpu.instance_types import (
@@ -61,7 +61,7 @@ def test_import_and_tpu_resolution_probe_no_device():
     """With an unknown JAX platform, any backend initialization would raise; nothing may initialize one."""
     code = (
         "import axcore_tpu.plugin\n"
-        "from axcore.experiment import load_experiment\n"
+        "from axcore.experiment.loading import load_experiment\n"
         "exp = load_experiment(None, ['mesh.instance_type=tpu-v5p-64'], objects={'tpu': axcore_tpu.plugin})\n"
         "print(exp.config.mesh.rule, exp.config.model.compute_dtype)\n"
         "import jax\n"

@@ -35,11 +35,11 @@ import jax
 import numpy as np
 import yaml
 
+from axcore.checkpoint.interop import ConversionError, ModelConverter
 from axcore.errors import AxcoreError, did_you_mean
 from axcore.experiment import load_experiment, search_plugins
-from axcore.interop import ConversionError, ModelConverter
-from axcore.plugins import installed_entry_points
-from axcore.run_loading import load_model, save_model
+from axcore.inference.run_loading import load_model, save_model
+from axcore.plugin.loading import installed_entry_points
 
 from axcore_hf import files
 from axcore_hf.llama import first_layer

@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from axcore.interop import ConversionError
+from axcore.checkpoint.interop import ConversionError
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

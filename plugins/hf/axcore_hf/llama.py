@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from axcore.interop import ConversionError
+from axcore.checkpoint.interop import ConversionError
 
 # Per-layer tensors: HF suffix -> (axcore path inside a layer, layout kind).
 LAYER_TENSORS = {

@@ -53,7 +53,7 @@ from axcore.layers.base import DotSite
 from axcore.layers.transformer import StackedInitializer
 from axcore.module import functional, no_context
 from axcore.params import FanAxes, ParameterSpec, fold_in_name
-from axcore.sharding import mesh_axes_of, resolve_rules
+from axcore.platform.sharding import mesh_axes_of, resolve_rules
 
 # Logical axes of the experts' inputs and outputs `[num_experts, batch, capacity, dim]` (sharding constraint).
 EXPERT_IO_AXES = ("expert", "batch", None, "embed")

@@ -1,0 +1,45 @@
+"""`axcore config EXPERIMENT`: the resolved config, one `path: value` per line, then the kernel choices and
+the data check; `--shardings` and `--kernels` print those reports instead.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from axcore.cli.common import overrides
+from axcore.errors import one_line
+
+
+def run(args) -> int:
+    from axcore.experiment.loading import load_experiment
+    from axcore.kernels import describe_kernel_choices
+
+    experiment = load_experiment(args.experiment, overrides(args), objects=args.objects)
+    if getattr(args, "shardings", False):
+        from axcore.cli.shardings import format_sharding_report, sharding_report
+
+        sys.stdout.write(format_sharding_report(sharding_report(experiment)))
+        return 0
+    if getattr(args, "kernels", False):
+        from axcore.kernels import format_kernel_decisions
+
+        sys.stdout.write(format_kernel_decisions(experiment.kernel_decisions()))
+        return 0
+    sys.stdout.write(experiment.flat())
+    for op, kernels in describe_kernel_choices(experiment.kernel_choices()).items():
+        sys.stdout.write(f"# kernel {op}: {kernels}\n")
+    sys.stdout.write(f"# data check: {data_check(experiment)}\n")
+    return 0
+
+
+def data_check(experiment) -> str:
+    """"ok", or the one-line error of the input sources' cheap checks (paths exist, shard indexes and their
+    tokenizer match; `InputConfig.check`), naming the config path such as input.source.paths[0]."""
+    from axcore.errors import AxcoreError
+
+    config = experiment.config
+    try:
+        config.input.check(config.tokenizer.instantiate())
+    except AxcoreError as e:
+        return one_line(e)
+    return "ok"

@@ -1,0 +1,113 @@
+"""`axcore generate RUN_OR_CKPT --prompt TEXT ...`: text from a run's checkpoint (own or imported).
+
+The prompts are encoded with the run's tokenizer and continued together in one batch
+(`axcore.generation.Generator`, KV-cache decoding) under the run's mesh. Generation
+stops at `--max-new-tokens` or at a stop token: the tokenizer's end-of-sequence id
+(where it has one, unless `--no-eos-stop`) and every `--stop-token`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from axcore.cli.common import one_run
+from axcore.errors import AxcoreError
+
+
+class GenerateError(AxcoreError):
+    """Bad `axcore generate` arguments (prompts, sampling settings, token ids)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's arguments (`axcore generate --help`)."""
+    parser.add_argument("run", metavar="RUN_OR_CKPT", help="run directory, its checkpoints/ or one step's directory")
+    # More paths (a shell glob matching several runs): refused by the CLI with one line naming them.
+    parser.add_argument("more_runs", nargs="*", help=argparse.SUPPRESS)
+    parser.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="text to continue (repeatable: one batch)")
+    parser.add_argument("--prompt-file", metavar="FILE", help="one prompt per line (added to --prompt)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens per prompt (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); > 0 samples")
+    parser.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus: most likely tokens up to P (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling draws (default 0)")
+    parser.add_argument("--stop-token", type=int, action="append", default=[], metavar="ID", help="token id that ends a sequence (repeatable)")
+    parser.add_argument("--no-eos-stop", action="store_true", help="do not stop at the tokenizer's end-of-sequence token")
+    parser.add_argument("--step", type=int, metavar="S", help="checkpoint step (default: the latest committed)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                        help="override a value of the run's config, e.g. --set mesh.mesh_shape=[-1]")
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt instead of text")
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise GenerateError(f"Cannot read --prompt-file '{args.prompt_file}': {e}.") from None
+    if not prompts:
+        raise GenerateError("Give at least one non-empty --prompt TEXT (or --prompt-file FILE).")
+    return prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    """Loads the run, generates, prints each prompt with its continuation; returns 0."""
+    args.run = one_run(args)
+    import jax
+    import numpy as np
+
+    from axcore.generation import Generator, Sampling
+    from axcore.inference.run_loading import load_model_and_step
+
+    prompts = _prompts(args)
+    if args.max_new_tokens < 1:
+        raise GenerateError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
+    try:
+        sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        raise GenerateError(f"Bad sampling setting: {e}") from None
+    loaded, step = load_model_and_step(args.run, step=args.step, overrides=args.overrides, objects=args.objects)
+    tokenizer = step.tokenizer
+    vocab = loaded.experiment.config.model.vocab_size
+    bad = [t for t in args.stop_token if not 0 <= t < vocab]
+    if bad:
+        raise GenerateError(f"--stop-token {bad[0]} is outside the model's vocabulary 0..{vocab - 1}.")
+    stops = list(args.stop_token)
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos is not None and not args.no_eos_stop:
+        stops.append(int(eos))
+    encoded = [np.asarray(tokenizer.encode(p)) for p in prompts]
+    empty = [p for p, ids in zip(prompts, encoded) if len(ids) == 0]
+    if empty:
+        raise GenerateError(f"Prompt {empty[0]!r} encodes to no tokens; give a non-empty prompt.")
+    generator = Generator(loaded.model, max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=stops)
+    limit = loaded.model.max_cache_len()
+    need = generator.positions_needed(max(len(ids) for ids in encoded))
+    if limit is not None and need > limit:
+        raise GenerateError(
+            f"The longest prompt ({max(len(ids) for ids in encoded)} tokens) plus --max-new-tokens "
+            f"{args.max_new_tokens} needs {need} positions, but the model has {limit} (its learned position "
+            f"embedding's max_len); shorten the prompt or generate fewer tokens."
+        )
+    started = time.perf_counter()
+    with step.op_environment():
+        outputs = generator(loaded.params, encoded, jax.random.key(args.seed))
+    elapsed = time.perf_counter() - started
+    for prompt, tokens in zip(prompts, outputs):
+        text = tokenizer.decode(tokens)
+        if args.json:
+            print(json.dumps({"prompt": prompt, "completion": text, "tokens": tokens.tolist()}))
+        else:
+            print(prompt + text)
+    total = sum(len(t) for t in outputs)
+    sys.stdout.flush()
+    print(
+        f"Generated {total} tokens for {len(prompts)} prompt(s) from step {loaded.step} of {loaded.source} "
+        f"in {elapsed:.2f} s (compile included).",
+        file=sys.stderr,
+    )
+    return 0

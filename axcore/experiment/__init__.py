@@ -1,0 +1,40 @@
+"""Experiments: an experiment file (or a built-in name) turned into a resolved, validated config tree.
+
+It owns the experiment schema (`schema`: `ExperimentConfig` and its mesh parts), finding
+and reading experiment files (`files`), loading as an explicit list of steps
+(`loading.load_experiment`: flags, joining the job, the backend, the plugin manager,
+the transforms), the saved-config marker (`saved`), the mesh layout from the matching
+mesh rule (`mesh`) with its config modifiers (`config_modifiers`), and validation
+(`validation`). It may import the plugin kernel (`plugin/`), the trainer's config and
+every component package below them; never `inference/`, `testing/`, `tools/` or `cli/`.
+`axcore.experiment.load_experiment` and the other names of `loading` are re-exported
+lazily, so importing one module of this package stays cheap.
+"""
+
+from __future__ import annotations
+
+from axcore._lazy import lazy_exports
+
+_WHERE = {
+    name: "axcore.experiment.loading"
+    for name in (
+        "RESOLVED_KEY",
+        "Experiment",
+        "ExperimentConfig",
+        "MeshConfig",
+        "MeshRuleConfig",
+        "SearchResult",
+        "builtin_experiments",
+        "check_experiment_config",
+        "default_model",
+        "layout_mesh",
+        "load_experiment",
+        "local_mesh_rules",
+        "read_experiment_file",
+        "resolve_experiment_xla_flags",
+        "search_plugins",
+    )
+}
+__all__ = sorted(_WHERE)
+
+__getattr__, __dir__ = lazy_exports(globals(), _WHERE)

@@ -1,0 +1,134 @@
+"""Finding and reading experiment files: a path, or a name shipped by a built-in or installed plugin.
+
+`read_experiment_file` returns the raw YAML mapping (read with the hardened safe
+loader) and a label that error messages name; `search_plugins` is the search it
+uses, also what `axcore plugins` and model converters use to find a family's
+registrations among plugins that are not enabled.
+
+Layer: experiment (imports config, registry and the plugin manager; never the loader).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from axcore.config.safe_yaml import read_file as read_yaml_file
+from axcore.config.serialize import safe_load
+from axcore.errors import ConfigError, PluginError, did_you_mean
+from axcore.experiments import experiment_text
+from axcore.plugin.loading import BUILTIN_DISTRIBUTION, autoload_disabled, create_plugin_manager, installed_entry_points
+from axcore.registry import Registration, Registry
+
+
+@dataclasses.dataclass
+class SearchResult:
+    """Registrations of one family found among built-in, given and installed plugins."""
+
+    # Name -> registration.
+    found: dict[str, Registration]
+    # Plugin -> why it could not be searched (it failed to load or to register).
+    broken: dict[str, str]
+
+
+def _builtin_registry(family: str) -> Registry:
+    """Family `family` of a manager with only the built-in plugins."""
+    return create_plugin_manager().registries.family(family)
+
+
+def search_plugins(
+    family: str, *, objects: Mapping[str, Any] | None = None, installed: bool = True, name: str | None = None
+) -> SearchResult:
+    """What the built-in plugins, the plugins given as `objects` and installed plugins register in `family`.
+
+    Searched in that order; with `name`, the search stops at the first of the three
+    that provides it (so a built-in name loads no plugin). Each plugin is loaded on
+    its own, with the built-ins, so plugins that could never be enabled together do
+    not conflict and a broken one is reported in `broken` instead of stopping the
+    search. Installed plugins are searched unless `installed` is False or
+    AXCORE_DISABLE_PLUGIN_AUTOLOAD is set. Names follow the usual rule: one name from
+    two places is an error naming both, unless exactly one says override=True.
+
+    Raises:
+        DuplicateComponentError: one name from two places, neither overriding the other.
+    """
+    builtin = _builtin_registry(family)
+    merged: Registry = Registry(builtin.kind)
+    for n in builtin:
+        entry = builtin.entry(n)
+        merged.register(n, entry.value, entry.provenance, entry.override)
+    broken: dict[str, str] = {}
+    objects = dict(objects or {})
+    phases = [sorted(objects)]
+    if installed and not autoload_disabled():
+        phases.append(sorted(set(installed_entry_points()) - set(objects)))
+    for plugins in phases:
+        if name is not None and name in merged:
+            break
+        for plugin in plugins:
+            try:
+                registry = create_plugin_manager([plugin], objects=objects).registries.family(family)
+            except PluginError as e:
+                broken[plugin] = " ".join(str(e).split())
+                continue
+            for n in registry:
+                entry = registry.entry(n)
+                if entry.provenance.plugin == plugin:
+                    merged.register(n, entry.value, entry.provenance, entry.override)
+    return SearchResult({n: merged.entry(n) for n in merged}, broken)
+
+
+def builtin_experiments() -> list[str]:
+    """Names of the experiments the built-in plugins ship (axcore/experiments/*.yaml)."""
+    return _builtin_registry("experiments").names()
+
+
+def _looks_like_path(source: str) -> bool:
+    return os.sep in source or "/" in source or source.endswith((".yaml", ".yml"))
+
+
+def read_experiment_file(
+    source: str | os.PathLike | None, *, objects: Mapping[str, Any] | None = None
+) -> tuple[dict, str]:
+    """Raw YAML mapping of a file path or a registered experiment name (None = "default").
+
+    A name is looked up among the built-in plugins, then `objects`, then installed
+    plugins (see `search_plugins`; a path-like name searches no installed plugin);
+    the experiment's own `plugins:` list decides which plugins it enables.
+    """
+    source = "default" if source is None else os.fspath(source)
+    if os.path.isfile(source):
+        text, label = read_yaml_file(source), source  # Bytes, at most the YAML size limit.
+    else:
+        search = search_plugins("experiments", objects=objects, installed=not _looks_like_path(source), name=source)
+        entry = search.found.get(source)
+        if entry is None:
+            raise ConfigError(_unknown_experiment(source, search))
+        value = entry.value
+        text = value.read_bytes() if callable(getattr(value, "read_bytes", None)) else experiment_text(value)
+        if entry.provenance.distribution == BUILTIN_DISTRIBUTION:
+            label = f"<built-in experiment {source}>"
+        else:
+            label = f"<experiment {source} of {entry.provenance}>"
+    data = safe_load(text, label=label)  # Hardened: one-line ConfigError naming `label`.
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{label}: an experiment file must be a mapping, got {type(data).__name__}.")
+    return data, label
+
+
+def _unknown_experiment(source: str, search: SearchResult) -> str:
+    available = [
+        name if entry.provenance.distribution == BUILTIN_DISTRIBUTION else f"{name} (plugin {entry.provenance.plugin})"
+        for name, entry in sorted(search.found.items())
+    ]
+    message = (
+        f"Experiment '{source}' is neither a file nor a built-in experiment{did_you_mean(source, search.found)}; "
+        f"available: {', '.join(available) or 'none'}. Check the path, or install the plugin that ships it."
+    )
+    if search.broken:
+        message += f" Plugins that could not be searched: {', '.join(sorted(search.broken))} (see 'axcore plugins')."
+    return message

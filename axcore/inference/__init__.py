@@ -1,0 +1,22 @@
+"""Inference: a finished (or running) run directory loaded back for generation and evaluation.
+
+It owns loading a run's saved, resolved config and a step's parameters through the
+run's checkpoint backend (`run_loading`: `load_model`, `save_model`), and held-out
+evaluation of a run (`evaluation`: `evaluate_run`, through the train step's own eval
+step). It may import `experiment/`, `trainer/`, `checkpoint/`, `data/`, `platform/`
+and everything below them; only `cli/` and `tools/` import it. The names below are
+re-exported lazily, so importing this package does not import JAX.
+"""
+
+from __future__ import annotations
+
+from axcore._lazy import lazy_exports
+
+_EXPORTS = {
+    "axcore.inference.run_loading": ["LoadedModel", "RunLoadError", "load_model", "save_model"],
+    "axcore.inference.evaluation": ["EvalError", "EvalResult", "evaluate_run"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+__getattr__, __dir__ = lazy_exports(globals(), _WHERE)

@@ -1,0 +1,254 @@
+"""Load a trained (or imported) model from a run directory: its resolved experiment and a checkpoint's parameters.
+
+    loaded = load_model("runs/default-20260101-120000")          # the latest committed step
+    loaded = load_model("runs/x/checkpoints/200")                 # one step's directory (orbax)
+    loaded = load_model("runs/x", step=100, overrides=["mesh.mesh_shape=[-1]"])
+    (loss, metrics), _ = axcore.functional(loaded.model, loaded.params, (batch,), None, False)
+
+A run directory is what `axcore train` leaves: `config.yaml` (the resolved experiment,
+which loads back without running plugin transforms or mesh modifiers again, see
+`axcore.experiment.loading`) and `checkpoints/` (one directory per committed step, written by
+the run's configured backend, `trainer.checkpoint.backend`). `path` may name the run
+directory, its `checkpoints/` directory, or one step's directory inside it (`200/`
+for orbax, `step_00000200/` for tensorstore), which also picks the step.
+
+Restoring goes through the training code's own pieces, not a copy of them: the abstract
+parameters and their shardings (`TrainStep.abstract_state()["params"]`, on the
+experiment's mesh; `axcore.trainer.step`, which creates no run directory), the configured backend (`make_checkpoint_backend`) and
+`restore_verified` (checksums checked; with no step given, a step that fails
+verification falls back to the newest one that verifies, reported through `report`).
+Only the parameters are read, as a partial restore of `{"params": ...}`: from a train
+state checkpoint the optimizer state is never read (nor held in memory), and a
+parameters-only checkpoint (see `save_model`, or an importer's output) restores the
+same way.
+
+`save_model` writes the other direction: an experiment and a parameter tree as a run
+directory (config.yaml plus a committed parameters-only step, see
+`axcore.trainer.resume`), so a converted model can be evaluated, sampled, or
+fine-tuned by resuming it with `axcore train RUN/config.yaml --set trainer.run_dir=RUN`
+(which initializes the optimizer state on that first resume).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from axcore.checkpoint import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, restore_verified
+from axcore.errors import AxcoreError
+from axcore.experiment.loading import Experiment, load_experiment
+from axcore.trainer.config import make_checkpoint_backend
+from axcore.trainer.resume import params_only_metadata
+from axcore.trainer.step import TrainStep
+
+# Names of a run directory's parts (what the training loop writes).
+CONFIG_FILE = "config.yaml"
+CHECKPOINTS_DIR = "checkpoints"
+# A step's directory name: `200` (orbax) or `step_00000200` (tensorstore).
+_STEP_DIR = re.compile(r"(?:step_)?(\d+)")
+
+
+class RunLoadError(AxcoreError):
+    """A run directory or checkpoint cannot be loaded (the message names the path and what to do)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model restored from a run directory."""
+
+    # The run's resolved experiment (from its config.yaml, with the overrides applied).
+    experiment: Experiment
+    # The built model (`experiment.config.model` instantiated as "model").
+    model: Any
+    # The checkpoint's parameter tree, placed with the shardings of the experiment's mesh.
+    params: Any
+    # The restored step.
+    step: int
+    # The run directory.
+    source: pathlib.Path
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLocation:
+    """Where `path` points: its run directory and the step its name picks (None: not a step directory)."""
+
+    run_dir: pathlib.Path
+    step: int | None
+
+
+def locate_run(path: str | os.PathLike) -> RunLocation:
+    """Resolves a run directory, its `checkpoints/` directory or one step's directory to the run and step.
+
+    Raises:
+        RunLoadError: `path` does not exist, or is none of the three (no config.yaml found).
+    """
+    given = pathlib.Path(os.path.expanduser(os.fspath(path)))
+    if not given.exists():
+        raise RunLoadError(f"Run '{given}' does not exist; pass a run directory (holding {CONFIG_FILE} and "
+                           f"{CHECKPOINTS_DIR}/), its {CHECKPOINTS_DIR}/ directory or one step's directory.")
+    resolved = given.resolve()
+    if (resolved / CONFIG_FILE).is_file():
+        return RunLocation(resolved, None)
+    if resolved.name == CHECKPOINTS_DIR and (resolved.parent / CONFIG_FILE).is_file():
+        return RunLocation(resolved.parent, None)
+    parent = resolved.parent
+    if parent.name == CHECKPOINTS_DIR and (parent.parent / CONFIG_FILE).is_file():
+        match = _STEP_DIR.fullmatch(resolved.name)
+        if match is None:
+            raise RunLoadError(f"'{given}' is not a step directory of {parent} (names look like 200 or "
+                               f"step_00000200); pass the run directory, with --step to pick a step.")
+        return RunLocation(parent.parent, int(match.group(1)))
+    raise RunLoadError(f"'{given}' holds no {CONFIG_FILE}: it is not a run directory written by `axcore train` "
+                       f"(nor its {CHECKPOINTS_DIR}/ or a step directory in it); pass the run directory.")
+
+
+def load_run_experiment(path: str | os.PathLike, overrides: Sequence[str] = (), **kwargs: Any) -> tuple[Experiment, RunLocation]:
+    """The resolved experiment of the run at `path` (see `locate_run`) and where it is.
+
+    `overrides` are `--set` style (`PATH=VALUE`), e.g. `mesh.mesh_shape=[-1]` to lay a
+    run from more devices out on this machine's. `kwargs` go to `load_experiment`.
+    """
+    location = locate_run(path)
+    experiment = load_experiment(location.run_dir / CONFIG_FILE, list(overrides), **kwargs)
+    return experiment, location
+
+
+def load_model(
+    path: str | os.PathLike,
+    *,
+    step: int | None = None,
+    overrides: Sequence[str] = (),
+    report: Callable[[str], None] | None = None,
+    objects: dict[str, Any] | None = None,
+) -> LoadedModel:
+    """Loads the run at `path` and restores the parameters of one committed checkpoint.
+
+    Args:
+        path: a run directory, its `checkpoints/` directory, or one step's directory.
+        step: the step to restore; None = the step `path` names, else the latest
+            committed step that verifies.
+        overrides: `PATH=VALUE` overrides applied to the saved config (e.g. the mesh).
+        report: receives one line per checkpoint step skipped because it failed
+            verification (default: printed to stderr).
+        objects: plugin objects by name (tests), as for `load_experiment`.
+
+    Returns:
+        A LoadedModel; `params` has the model's parameter tree with each leaf placed
+        on the experiment's mesh (`[vocab, dim]` embeddings etc., as `model.initialize`).
+
+    Raises:
+        RunLoadError: no config.yaml, no checkpoints/ directory, no committed step (or
+            not `step`), or parameters whose shapes/dtypes differ from the config's model.
+        CheckpointError: a step fails verification (checksums, unreadable files).
+        AxcoreError subclasses: the saved config does not load (e.g. a plugin is missing).
+    """
+    return load_model_and_step(path, step=step, overrides=overrides, report=report, objects=objects)[0]
+
+
+def load_model_and_step(
+    path: str | os.PathLike,
+    *,
+    step: int | None = None,
+    overrides: Sequence[str] = (),
+    report: Callable[[str], None] | None = None,
+    objects: dict[str, Any] | None = None,
+) -> tuple[LoadedModel, TrainStep]:
+    """`load_model`, plus the `TrainStep` whose mesh, shardings and steps restored it (for evaluation and
+    generation: its `tokenizer`, `op_environment()`, `compiled_eval_step()`, `loader()`, `evaluate()`)."""
+    experiment, location = load_run_experiment(path, overrides, objects=objects)
+    if step is not None and location.step is not None and step != location.step:
+        raise RunLoadError(f"'{path}' is the directory of step {location.step} but step {step} was asked for; "
+                           f"pass the run directory {location.run_dir} to choose a step.")
+    step = step if step is not None else location.step
+    checkpoints = location.run_dir / CHECKPOINTS_DIR
+    if not checkpoints.is_dir():  # Checked first: a backend would create the directory.
+        raise RunLoadError(f"Run {location.run_dir} has no {CHECKPOINTS_DIR}/ directory, so no trained "
+                           f"parameters; train it (axcore train {location.run_dir / CONFIG_FILE}) or pass another run.")
+    train_step = TrainStep(experiment)
+    report = report or (lambda line: print(line, file=sys.stderr))
+    backend = make_checkpoint_backend(experiment.config.trainer.checkpoint, experiment.registries, checkpoints)
+    where = f"run {location.run_dir} ({experiment.config.trainer.checkpoint.backend} checkpoints)"
+    try:
+        if not backend.all_steps():
+            raise RunLoadError(f"No committed checkpoint in {checkpoints} ({where}); wait for or rerun the training "
+                               f"(a step without its commit marker is an interrupted save).")
+        target = {"params": train_step.abstract_state()["params"]}  # ShapeDtypeStructs: nothing allocated.
+        try:
+            state, _, restored = restore_verified(backend, target, step, report=report, partial=True)
+        except CheckpointNotFoundError as e:
+            raise RunLoadError(f"{e} ({where}); pass one of the committed steps or omit the step.") from None
+        except CheckpointError as e:
+            if isinstance(e, CheckpointMismatchError):
+                raise _mismatch(e, location.run_dir) from None
+            raise
+    finally:
+        backend.close()
+    return LoadedModel(experiment, train_step.model, state["params"], int(restored), location.run_dir), train_step
+
+
+
+def _mismatch(error: CheckpointError, run_dir: pathlib.Path) -> RunLoadError:
+    return RunLoadError(
+        f"The checkpoints of run {run_dir} do not fit the model of its {CONFIG_FILE} ({' '.join(error.reason.split())}); "
+        f"if the config was edited or overridden after training, use the config the run was trained with."
+    )
+
+
+def save_model(
+    experiment: Experiment, params: Any, run_dir: str | os.PathLike, *, step: int = 0, seed: int | None = None
+) -> pathlib.Path:
+    """Writes `params` of `experiment`'s model as a run directory that `load_model` and `axcore train` read.
+
+    Writes `config.yaml`/`config.txt` (`Experiment.save`) and commits checkpoint `step`
+    through the experiment's backend, holding `{"params": params}` only (cast to the
+    model's parameter dtypes and placed on the experiment's mesh) and the metadata of
+    a parameters-only checkpoint (`axcore.trainer.resume.params_only_metadata`: the
+    step, `seed` (default `trainer.seed`) for the PRNG key, and the input position at
+    the start of the data). No optimizer state is written: training initializes it
+    when it first resumes from this step.
+
+    Raises:
+        RunLoadError: `run_dir` already holds checkpoints, or `params` does not fit the
+            model (naming every differing parameter path).
+    """
+    run_dir = pathlib.Path(run_dir)
+    checkpoints = run_dir / CHECKPOINTS_DIR
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        raise RunLoadError(f"'{checkpoints}' already holds checkpoints; save into a new run directory.")
+    abstract = TrainStep(experiment).abstract_state()
+    _check_params(params, abstract["params"], run_dir)
+    params = jax.tree.map(lambda x, a: jax.device_put(jnp.asarray(x, a.dtype), a.sharding), params, abstract["params"])
+    metadata = params_only_metadata(step, experiment.config.trainer.seed if seed is None else seed)
+    experiment.save(run_dir)
+    backend = make_checkpoint_backend(experiment.config.trainer.checkpoint, experiment.registries, checkpoints)
+    try:
+        backend.save(step, {"params": params}, metadata)
+        backend.wait()
+    finally:
+        backend.close()
+    return run_dir
+
+
+def _check_params(params: Any, abstract: Any, run_dir: pathlib.Path) -> None:
+    """Raises RunLoadError listing every path whose presence or shape differs from the model's."""
+    flat = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    want = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    problems = [f"{p} missing" for p in want if p not in flat]
+    problems += [f"{p} is not a parameter of the model" for p in flat if p not in want]
+    problems += [
+        f"{p} has shape {tuple(jnp.shape(flat[p]))}, the model's is {want[p].shape}"
+        for p in want
+        if p in flat and tuple(jnp.shape(flat[p])) != tuple(want[p].shape)
+    ]
+    if problems:
+        shown = "; ".join(problems[:10]) + (f"; ... and {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise RunLoadError(f"Parameters for {run_dir} do not fit the experiment's model: {shown}. "
+                           f"Convert them to the model's parameter tree (model.parameter_specs()).")

@@ -1,0 +1,47 @@
+"""The plugin kernel: the hook specifications, discovery, the plugin manager and what it records.
+
+It owns the plugin API (`hookspecs`, every `axcore_*` hook, with the typed `register`
+callbacks of `register_callbacks`), finding installed plugins from package metadata
+without importing them (`entry_points`, `instance_probe`), parsing `plugins:` entries
+(`requests`), the manager itself (`manager`: order, provenance, registries, settings,
+transforms; `write_log`: who wrote which config value; `flags`: merging the plugins'
+XLA flags), the commands plugins add (`commands`), and building a manager from the
+built-ins and the requested plugins (`loading.create_plugin_manager`). It may import
+every component package below it (`kernels/`, `layers/`, `data/`, `checkpoint/`,
+`observe/`, `learning/`, `platform/`, `module`, `params`, `registry`, `config/`), never
+`experiment/`, `trainer/`, `inference/` or `cli/`. The names below are re-exported
+lazily, so `import axcore.plugin` stays cheap.
+"""
+
+from __future__ import annotations
+
+from axcore._lazy import lazy_exports
+
+_WHERE = {
+    name: "axcore.plugin.loading"
+    for name in (
+        "API_REQUIREMENT_ATTRIBUTE",
+        "BUILTIN_DISTRIBUTION",
+        "BUILTIN_PLUGINS",
+        "DISABLE_AUTOLOAD_ENV",
+        "ENTRY_POINT_GROUP",
+        "HARDWARE_PLATFORMS",
+        "LOAD_PLUGINS_ENV",
+        "AxcorePluginManager",
+        "Component",
+        "PluginExcludedError",
+        "PluginInfo",
+        "PluginRequest",
+        "UnknownHookError",
+        "autoload_disabled",
+        "builtin_registries",
+        "create_plugin_manager",
+        "excluded_entry_points",
+        "installed_entry_points",
+        "load_allow_list",
+        "probe_instance_type",
+    )
+}
+__all__ = sorted(_WHERE)
+
+__getattr__, __dir__ = lazy_exports(globals(), _WHERE)
