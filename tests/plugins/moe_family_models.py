@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import axcore
-from axcore.run_loading import load_model
+from axcore.inference.run_loading import load_model
 
 # |axcore - transformers| allowed over the logits (float32).
 TOLERANCE = 1e-4

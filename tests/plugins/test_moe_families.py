@@ -19,7 +19,7 @@ pytest.importorskip("axcore_moe_families")
 from moe_family_models import CONFIGS, TOLERANCE, axcore_logits, hf_logits, save_hf  # noqa: E402
 
 from axcore.cli import main  # noqa: E402
-from axcore.run_loading import load_model  # noqa: E402
+from axcore.inference.run_loading import load_model  # noqa: E402
 
 from axcore_hf import axcore_to_hf, hf_to_axcore  # noqa: E402
 

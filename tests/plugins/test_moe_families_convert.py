@@ -21,7 +21,7 @@ from safetensors.numpy import save_file  # noqa: E402
 
 import axcore  # noqa: E402
 from axcore.cli import main  # noqa: E402
-from axcore.run_loading import load_model, save_model  # noqa: E402
+from axcore.inference.run_loading import load_model, save_model  # noqa: E402
 
 from axcore_hf import axcore_to_hf, hf_to_axcore  # noqa: E402
 from axcore_hf.files import DTYPES, read_config, read_tensors, write_config  # noqa: E402

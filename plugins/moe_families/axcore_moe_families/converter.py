@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from axcore.interop import ConversionError
+from axcore.checkpoint.interop import ConversionError
 
 from axcore_hf.llama import (
     GLOBAL_TENSORS,
