@@ -11,6 +11,14 @@ to every layer (`positions`, `kv_mask`). For the same parameters (the scanned st
 holds each unrolled layer's tree stacked on a leading `num_layers` axis) they give
 the same numbers.
 
+Per-layer attention patterns: `StackedTransformer.layer_types` names each layer's
+attention type, and `attention_types` maps a type to the self-attention fields its
+layers set over `layer`'s (dotted paths: `sliding_window`, `position_embedding.theta`
+for a RoPE base per type, ...), applied when the stack is built, so they also hold
+over the config transforms of feature plugins (e.g. the rotary embedding `rope`
+installs). A scanned stack repeats a pattern as a `stacked_transformer` unit with
+its own `layer_types` (one period of the pattern).
+
 Incremental decoding: every layer and stack has `init_cache(batch, max_len)` (no
 parameters needed) and `extend(x, cache, *, positions) -> (x, cache)`, the forward
 with the attention's keys and values kept in a KV cache (see
@@ -21,13 +29,15 @@ like its parameters (`layer0`, ... or one `layer` tree with a leading repeats ax
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 import jax
 import jax.numpy as jnp
 
 from axcore.config import REQUIRED, Depth, InstantiableConfig, Probability, Width
-from axcore.errors import ConfigError
+from axcore.config.traversal import get_path
+from axcore.errors import ConfigError, did_you_mean
 from axcore.layers.attention import MultiheadAttention, decoding_into
 from axcore.layers.base import BaseLayer, checkpoint_policy, with_fields
 from axcore.layers.basic import RMSNorm
@@ -137,6 +147,14 @@ class StackedTransformer(BaseLayer):
         num_layers: Annotated[int, Depth] = REQUIRED
         # One config used for every layer, or a list with one config per layer.
         layer: InstantiableConfig | list[InstantiableConfig] = TransformerLayer.default_config()
+        # Attention type of each layer (names of attention_types, e.g. [local, local, global]); None = none.
+        layer_types: list[str] | None = None
+        # Per attention type, self_attention fields (dotted paths) its layers set over `layer`'s, e.g.
+        # {local: {sliding_window: 512, position_embedding.theta: 10000.0}}; read with layer_types.
+        attention_types: dict[str, dict[str, Any]] | None = None
+
+        def check_fields(self) -> list[tuple[str, str]]:
+            return attention_pattern_problems(self.layer_types, self.attention_types, self.num_layers)
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -146,6 +164,14 @@ class StackedTransformer(BaseLayer):
             raise ConfigError(
                 f"{self.path}: 'layer' lists {len(layers)} configs but num_layers is {cfg.num_layers}."
             )
+        problems = attention_pattern_problems(cfg.layer_types, cfg.attention_types, cfg.num_layers)
+        if problems:
+            raise ConfigError(f"'{self.path}.{problems[0][0]}' {problems[0][1]}.")
+        if cfg.layer_types is not None:
+            layers = [
+                with_attention_type(layer_cfg, cfg.attention_types[name], f"{self.path}.attention_types.{name}")
+                for layer_cfg, name in zip(layers, cfg.layer_types)
+            ]
         for i, layer_cfg in enumerate(layers):
             self._add_child(f"layer{i}", with_fields(layer_cfg, input_dim=cfg.input_dim))
 
@@ -165,6 +191,49 @@ class StackedTransformer(BaseLayer):
         for i in range(self._config.num_layers):
             x, new[f"layer{i}"] = getattr(self, f"layer{i}").extend(x, cache[f"layer{i}"], positions=positions)
         return x, new
+
+
+def attention_pattern_problems(
+    layer_types: list[str] | None, attention_types: Mapping[str, Any] | None, num_layers: Any
+) -> list[tuple[str, str]]:
+    """`(field, problem)` pairs of a stack's `layer_types` / `attention_types` (empty when consistent)."""
+    if layer_types is None:
+        if attention_types:
+            return [("attention_types", "is set but layer_types is not; list each layer's attention type")]
+        return []
+    if isinstance(num_layers, int) and len(layer_types) != num_layers:
+        return [("layer_types", f"lists {len(layer_types)} types but num_layers is {num_layers}; give one per layer")]
+    known = attention_types or {}
+    for i, name in enumerate(layer_types):
+        if name not in known:
+            return [(
+                f"layer_types[{i}]",
+                f"is {name!r}, which attention_types does not define{did_you_mean(name, known)} (defined: "
+                f"{', '.join(known) or 'none'})",
+            )]
+    return []
+
+
+def with_attention_type(layer: InstantiableConfig, fields: Mapping[str, Any], where: str) -> InstantiableConfig:
+    """A copy of the layer config `layer` whose `self_attention` has `fields` (dotted paths -> values) set.
+
+    Raises ConfigError naming `where.<path>` when the attention config has no such field.
+    """
+    layer = layer.clone()
+    attention = layer.self_attention
+    for path, value in fields.items():
+        *parents, name = path.split(".")
+        try:
+            node = get_path(attention, ".".join(parents)) if parents else attention
+            if node is None or name not in node.keys():
+                raise ConfigError(f"{type(node).__name__} has no field {name!r}")
+            setattr(node, name, value)
+        except (ConfigError, AttributeError, ValueError, TypeError) as e:
+            raise ConfigError(
+                f"{where}.{path}: cannot set the self_attention field ({e}); name a field of the layer's "
+                f"self_attention config, e.g. sliding_window or position_embedding.theta."
+            ) from None
+    return layer
 
 
 @dataclasses.dataclass(frozen=True)
