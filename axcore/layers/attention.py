@@ -87,7 +87,7 @@ class MultiheadAttention(BaseLayer):
         kernel: str | None = None
         # Softmax scale; None = 1 / sqrt(head_dim).
         scale: Annotated[float, Positive] | None = None
-        # Whether the q, k and v projections add a learned bias (bq, bk, bv; e.g. Qwen2).
+        # Whether the q, k and v projections add a learned bias (bq, bk, bv).
         qkv_bias: bool = False
         # Whether the output projection adds a learned bias (bo).
         output_bias: bool = False

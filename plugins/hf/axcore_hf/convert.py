@@ -270,11 +270,13 @@ def _differences(a: Any, b: Any, path: str) -> list[str]:
 
 
 def _layers_only(model: Mapping[str, Any]) -> dict[str, Any]:
-    """Model config data with the decoder reduced to its layer config(s) (stacked, scanned or a scanned block)."""
-    layer = model["decoder"]["layer"]
-    if isinstance(layer, Mapping) and layer.get("type") == "stacked_transformer":
-        layer = layer["layer"]
-    return {**model, "decoder": {"layer": layer}}
+    """Model config data with the decoder reduced to its layer config(s) (stacked, scanned or a scanned block)
+    and its per-layer attention pattern (`layer_types`, `attention_types`), if any."""
+    stack = model["decoder"]
+    if isinstance(stack["layer"], Mapping) and stack["layer"].get("type") == "stacked_transformer":
+        stack = stack["layer"]
+    pattern = {k: stack.get(k) for k in ("layer_types", "attention_types")}
+    return {**model, "decoder": {"layer": stack["layer"], **pattern}}
 
 
 def _check_expressible(converter: ModelConverter, config: dict, experiment: Any, where: str) -> None:
