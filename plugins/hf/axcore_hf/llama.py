@@ -130,6 +130,15 @@ class LlamaConverter:
 
     # -- Configs ----------------------------------------------------------------------
 
+    def example_config(self) -> dict[str, Any]:
+        """A tiny config.json of this family (the model `axcore loc` runs to see which core lines it uses)."""
+        config = {
+            "model_type": self.model_type, "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 64, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        }
+        return {**config, "sliding_window": 4} if self.sliding_window else config
+
     def experiment(self, config: Mapping[str, Any], where: str) -> dict[str, Any]:
         """config.json data -> experiment data (`plugins: [rope, swiglu]`, `rope:`, `swiglu:`, `model:`)."""
         field = _Fields(config, where)

@@ -54,6 +54,14 @@ class QwenConverter(LlamaConverter):
         on = bool(config.get("attention_bias", False))
         return on, on
 
+    def example_config(self) -> dict[str, Any]:
+        """A tiny config.json (for `axcore loc`): Qwen2 with sliding layers after the first; Qwen3 as
+        released (QK-norm, tied embeddings, no biases, no window)."""
+        config = {**super().example_config(), "head_dim": 8}
+        if self.qk_norm:
+            return {**config, "tie_word_embeddings": True}
+        return {**config, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}
+
     def experiment(self, config: Mapping[str, Any], where: str) -> dict[str, Any]:
         """config.json data -> experiment data: the Llama experiment plus biases, QK-norm and the layer pattern."""
         field = _Fields(config, where)
