@@ -52,7 +52,11 @@ RESIDUAL_AXES = ("batch", "seq", "embed")
 class TransformerLayer(BaseLayer):
     """x + attn(norm(x)), then + ffn(norm(x)); optional residual dropout.
 
-    Children (public names): `attention_norm`, `self_attention`, `ffn_norm`, `feed_forward`.
+    With `post_norms` (sandwich norms, Gemma 2/3) each sublayer's output is normalized
+    too before the residual add: x + post_norm(attn(norm(x))).
+
+    Children (public names): `attention_norm`, `self_attention`, `ffn_norm`, `feed_forward`,
+    and with `post_norms` `post_attention_norm`, `post_ffn_norm`.
     """
 
     class Config(BaseLayer.Config):
@@ -68,6 +72,8 @@ class TransformerLayer(BaseLayer):
         feed_forward: InstantiableConfig = FeedForward.default_config()
         # Dropout rate on each sublayer's output, in training only.
         dropout_rate: Annotated[float, Probability] = 0.0
+        # Sandwich norms: also normalize each sublayer's output (with `norm`) before the residual add.
+        post_norms: bool = False
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -77,6 +83,9 @@ class TransformerLayer(BaseLayer):
         self.add_child("self_attention", with_fields(cfg.self_attention, input_dim=dim))
         self.add_child("ffn_norm", with_fields(cfg.norm, input_dim=dim))
         self.add_child("feed_forward", with_fields(cfg.feed_forward, input_dim=dim))
+        if cfg.post_norms:
+            self.add_child("post_attention_norm", with_fields(cfg.norm, input_dim=dim))
+            self.add_child("post_ffn_norm", with_fields(cfg.norm, input_dim=dim))
 
     def _dropout(self, x: jax.Array, name: str) -> jax.Array:
         rate = self._config.dropout_rate
@@ -95,16 +104,22 @@ class TransformerLayer(BaseLayer):
         return self._constrain(self.ffn_block(x), RESIDUAL_AXES)
 
     def attention_block(self, x: jax.Array, **kwargs) -> jax.Array:
-        """Step 1: `x + dropout(self_attention(attention_norm(x), **kwargs))`; `[b, t, dim]` -> the same.
+        """Step 1: `x + dropout(self_attention(attention_norm(x), **kwargs))`, with `post_norms`
+        `post_attention_norm` applied to the attention's output; `[b, t, dim]` -> the same.
 
         `kwargs` (`positions`, `kv_mask`, `segment_ids`) go to the attention.
         """
         h = self.self_attention(self.attention_norm(x), **kwargs)
+        if "post_attention_norm" in self.children:
+            h = self.post_attention_norm(h)
         return x + self._dropout(h, "attention_dropout")
 
     def ffn_block(self, x: jax.Array) -> jax.Array:
-        """Step 2: `x + dropout(feed_forward(ffn_norm(x)))`; `[b, t, dim]` -> the same."""
+        """Step 2: `x + dropout(feed_forward(ffn_norm(x)))`, with `post_norms` `post_ffn_norm`
+        applied to the feed-forward's output; `[b, t, dim]` -> the same."""
         h = self.feed_forward(self.ffn_norm(x))
+        if "post_ffn_norm" in self.children:
+            h = self.post_ffn_norm(h)
         return x + self._dropout(h, "ffn_dropout")
 
     @no_context
