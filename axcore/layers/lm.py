@@ -82,7 +82,7 @@ class CausalLM(BaseLayer):
         lm_head: InstantiableConfig | None = Linear.default_config().set(bias=False)
         # Weight of the z-loss mean(logsumexp(logits)^2).
         z_loss_scale: Annotated[float, NonNegative] = 0.0
-        # Multiply the token embeddings by sqrt(dim) (in the compute dtype) before the decoder (Gemma).
+        # Multiply the token embeddings by sqrt(dim) (in the compute dtype) before the decoder.
         scale_embeddings: bool = False
         # Final logit soft-cap c: logits = c * tanh(logits / c), in float32; None = none.
         logits_softcap: Annotated[float, Positive] | None = None

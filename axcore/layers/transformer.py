@@ -52,7 +52,7 @@ RESIDUAL_AXES = ("batch", "seq", "embed")
 class TransformerLayer(BaseLayer):
     """x + attn(norm(x)), then + ffn(norm(x)); optional residual dropout.
 
-    With `post_norms` (sandwich norms, Gemma 2/3) each sublayer's output is normalized
+    With `post_norms` (sandwich norms) each sublayer's output is normalized
     too before the residual add: x + post_norm(attn(norm(x))).
 
     Children (public names): `attention_norm`, `self_attention`, `ffn_norm`, `feed_forward`,

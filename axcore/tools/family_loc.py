@@ -1,5 +1,5 @@
 """The model-family rows of `axcore loc`: what each registered converter (a Hugging Face
-`model_type` a plugin supports, e.g. `qwen2`) costs, and which core mechanisms it uses.
+`model_type` a plugin supports, e.g. `mistral`) costs, and which core mechanisms it uses.
 
 Columns are described in `axcore.tools.loc_report`'s module docstring. A converter
 takes part in the core-line and mechanism columns when it offers `example_config()`

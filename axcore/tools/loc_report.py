@@ -25,7 +25,7 @@ the AXLearn paper's LoC-complexity table:
   (each built-in experiment) that the plugin adds, removes or reconfigures.
 
 A second table has one row per model family, i.e. per converter a plugin registers
-(hook `axcore_register_model_converters`, e.g. `qwen2` from the qwen plugin):
+(hook `axcore_register_model_converters`, e.g. `mistral` from the hf plugin):
 
 - hook LoC: body lines of the plugin's converter-registering hook (shared by the
   families it registers);
