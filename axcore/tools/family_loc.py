@@ -59,8 +59,8 @@ def _component(value: Any) -> Any:
 
 
 def core_switches(experiment: Any) -> set[str]:
-    """`<component>.<field>` for each switch the resolved model sets: a False flag turned on, a None
-    field given a value (sizes and dtypes aside), a component slot filled, emptied or given another component."""
+    """`<component>.<field>` for each switch the resolved model sets: a field off by default (False, None,
+    0) turned on (sizes and dtypes aside), a component slot filled, emptied or given another component."""
     out = set()
     registries = experiment.registries
     for _, node in walk(experiment.config.model):
@@ -72,10 +72,9 @@ def core_switches(experiment: Any) -> set[str]:
             default = defaults[field]
             if isinstance(default, InstantiableConfig) or isinstance(value, (InstantiableConfig, list)):
                 changed = _component(value) != _component(default)
-            elif default is False:
-                changed = value is True
-            else:
-                changed = default is None and value is not None and not _is_size_or_dtype(types[field])
+            else:  # Off by default (False, None, 0), on here.
+                off = default is None or (isinstance(default, (bool, int, float)) and not default)
+                changed = off and bool(value) and not _is_size_or_dtype(types[field])
             if changed:
                 out.add(f"{label}.{field}")
     return out

@@ -35,8 +35,9 @@ A second table has one row per model family, i.e. per converter a plugin registe
 - core lines only it runs: core lines that a run of the family's example model (the
   converter's `example_config()`, a tiny config.json) executes and no other run does
   (the runs of the plugin table and those of every other family);
-- core mechanisms used: the core switches its model sets, `<component>.<field>`: a
-  flag turned on, an optional field given a value (sizes such as `num_kv_heads` aside),
+- core mechanisms used: the core switches its model sets beyond the default experiment's,
+  `<component>.<field>`: a field off by default (False, None, 0) turned on (sizes such
+  as `num_kv_heads` and dtypes aside),
   or a component slot filled or emptied (`causal_lm.lm_head` for tied embeddings).
 """
 

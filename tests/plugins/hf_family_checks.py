@@ -17,10 +17,13 @@ import transformers
 
 import axcore
 from axcore.cli import main
+from axcore.interop import ConversionError
 from axcore.run_loading import load_model
 
 from axcore_hf import axcore_to_hf, hf_to_axcore
 from axcore_hf.files import read_tensors
+
+__all__ = ["ConversionError", "axcore_to_hf", "hf_to_axcore", "json", "load_model", "np", "transformers"]
 
 TOLERANCE = 1e-4
 SEQ = 24

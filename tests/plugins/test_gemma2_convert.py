@@ -82,3 +82,30 @@ def test_unsupported_configs_are_refused_in_one_line(tmp_path, capsys, changes, 
 def test_no_gemma_code_in_the_core():
     words = ("gemma", "query_pre_attn_scalar", "softcapping", "pre_feedforward", "sliding_attention")
     assert not checks.core_mentions(words)
+
+
+def test_scanned_import_repeats_one_period_of_the_pattern(tmp_path):
+    """--scan: a block of (local, global) scanned twice computes transformers' logits and exports back."""
+    model = checks.build(gemma2(num_hidden_layers=4))
+    model.save_pretrained(tmp_path / "hf")
+    checks.hf_to_axcore(tmp_path / "hf", tmp_path / "run", scan=True, seq_len=32)
+    loaded = checks.load_model(tmp_path / "run")
+    block = loaded.experiment.config.model.decoder.layer
+    assert block.layer_types == ["sliding_attention", "full_attention"]
+    assert loaded.params["decoder"]["layer"]["layer0"]["self_attention"]["wq"].shape == (2, 64, 4, 16)
+    ours = checks.axcore_logits(tmp_path / "run")
+    assert checks.np.abs(ours - checks.hf_logits(model)).max() < checks.TOLERANCE
+    checks.axcore_to_hf(tmp_path / "run", tmp_path / "out")
+    exported = checks.transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    assert exported.config.layer_types == model.config.layer_types
+    assert checks.np.abs(checks.hf_logits(exported.eval()) - ours).max() < checks.TOLERANCE
+    with pytest.raises(checks.ConversionError, match="no repetition of a shorter pattern"):
+        checks.hf_to_axcore(family_dir(tmp_path), tmp_path / "run3", scan=True)
+
+
+def family_dir(tmp_path):
+    """A 3-layer (local, global, local) config: no repeating period."""
+    directory = tmp_path / "three"
+    directory.mkdir()
+    (directory / "config.json").write_text(checks.json.dumps(gemma2().to_dict()))
+    return directory

@@ -52,6 +52,27 @@ def decoder_pattern(types: Sequence[str], settings: Mapping[str, Mapping[str, An
     return {"layer_types": list(types), "attention_types": {name: dict(settings[name]) for name in used}}
 
 
+def scanned_decoder(decoder: Mapping[str, Any], num_layers: int, where: str) -> dict[str, Any]:
+    """A converter's decoder data as a `repeated_transformer` (lax.scan over the layers).
+
+    Without `layer_types` the unit is the layer; with them it is a `stacked_transformer`
+    block of one period of the pattern (its shortest repeating prefix), scanned
+    `num_layers / period` times. A pattern that does not repeat is refused.
+    """
+    types = decoder.get("layer_types")
+    if types is None:
+        return {**decoder, "type": "repeated_transformer"}
+    period = next(p for p in range(1, num_layers + 1) if num_layers % p == 0 and types == types[:p] * (num_layers // p))
+    if period == num_layers and num_layers > 1:
+        raise ConversionError(
+            f"{where}: --scan repeats one block of layers, but 'layer_types' ({num_layers} layers) is no repetition "
+            f"of a shorter pattern; import without --scan."
+        )
+    block = {"type": "stacked_transformer", "num_layers": period, "layer": decoder["layer"],
+             "layer_types": list(types[:period]), "attention_types": decoder["attention_types"]}
+    return {"type": "repeated_transformer", "layer": block}
+
+
 def pattern_of(decoder: Mapping[str, Any], num_layers: int) -> tuple[list[str] | None, dict[str, Any]]:
     """A resolved decoder's per-layer types (None: every layer alike) and its `attention_types`.
 
