@@ -97,6 +97,19 @@ def check_generation(family: Family, capsys) -> None:
         assert record["tokens"] == expected.tolist()
 
 
+def check_eval(family: Family, tmp_path: pathlib.Path, capsys) -> None:
+    """`axcore eval` on held-out text gives transformers' mean next-token loss (24 targets, past the windows)."""
+    text = "The quick brown fox jumps"  # 25 bytes: one row of 24 targets.
+    (tmp_path / "held_out.txt").write_text(text)
+    args = ["eval", str(family.run), "--data", str(tmp_path / "held_out.txt"), "--batch-size", "1", "--seq-len", "24"]
+    assert main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    ids = torch.tensor([list(text.encode())])
+    with torch.no_grad():
+        expected = family.model(ids, labels=ids).loss.item()
+    assert result["tokens"] == 24 and abs(result["loss"] - expected) < TOLERANCE, (result, expected)
+
+
 def check_export(family: Family, out: pathlib.Path) -> transformers.PreTrainedModel:
     """The export loads in `from_pretrained` with the same logits and the source's tensor names."""
     axcore_to_hf(family.run, out)

@@ -40,6 +40,10 @@ def test_greedy_generation_matches_transformers(family, capsys):
     checks.check_generation(family, capsys)
 
 
+def test_eval_gives_transformers_loss(family, tmp_path, capsys):
+    checks.check_eval(family, tmp_path, capsys)
+
+
 def test_export_loads_in_transformers(family, tmp_path):
     exported = checks.check_export(family, tmp_path / "out")
     assert exported.config.layer_types == family.model.config.layer_types
