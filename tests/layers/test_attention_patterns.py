@@ -84,20 +84,25 @@ def test_each_layer_gets_its_types_window_and_rope_base():
     assert [a.config.position_embedding.theta for a in layers] == [100.0, 100.0, 10000.0]  # The rope plugin's 1e4.
 
 
-def test_kv_cache_decoding_respects_each_layers_window():
-    model, params = _model(*PATTERN)
-    batch, prompt, total = 2, 4, 12
-    ids = jax.random.randint(jax.random.key(2), (batch, total), 0, 256)
-    full = _logits(model, params, ids)
-    plain, _ = _model()  # Same parameters without the pattern: the windows and bases change the logits.
-    assert np.abs(_logits(plain, params, ids) - full).max() > 1e-2
+def _decoded(model, params, ids, prompt):
+    """Logits of `ids` by a prefill of `prompt` tokens, then one token at a time through the KV cache."""
+    batch, total = ids.shape
     extend = jax.jit(lambda p, *args: functional(model, p, args, None, False, method="extend")[0])
     logits, cache = extend(params, ids[:, :prompt], model.init_cache(batch, total))
     decoded = [logits]
     for t in range(prompt, total):
         logits, cache = extend(params, ids[:, t : t + 1], cache, jnp.full((batch, 1), t))
         decoded.append(logits)
-    np.testing.assert_allclose(np.concatenate(decoded, axis=1), full, atol=2e-5, rtol=1e-5)
+    return np.concatenate(decoded, axis=1)
+
+
+def test_kv_cache_decoding_respects_each_layers_window():
+    model, params = _model(*PATTERN)
+    ids = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)
+    full = _logits(model, params, ids)
+    plain, _ = _model()  # Same parameters without the pattern: the windows and bases change the logits.
+    assert np.abs(_logits(plain, params, ids) - full).max() > 1e-2
+    np.testing.assert_allclose(_decoded(model, params, ids, 4), full, atol=2e-5, rtol=1e-5)
 
 
 def test_a_scanned_block_repeats_the_pattern():
@@ -119,6 +124,7 @@ def test_a_scanned_block_repeats_the_pattern():
     assert np.abs(_logits(plain, params, ids) - windowed).max() > 1e-2
     unit = model.decoder.layer
     assert (unit.layer0.self_attention.config.sliding_window, unit.layer1.self_attention.config.sliding_window) == (2, None)
+    np.testing.assert_allclose(_decoded(model, params, ids, 3), windowed, atol=2e-5, rtol=1e-5)  # Scanned cache.
 
 
 @pytest.mark.parametrize(
