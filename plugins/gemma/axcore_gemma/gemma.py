@@ -31,7 +31,7 @@ from typing import Any
 from axcore.interop import ConversionError
 
 from axcore_hf.llama import LAYER_TENSORS, LlamaConverter, _Fields, first_layer, hf_rope_scaling
-from axcore_hf.patterns import FULL, SLIDING, check_layer_types, decoder_pattern, hf_layer_types
+from axcore_hf.patterns import FULL, SLIDING, check_layer_types, decoder_pattern, hf_layer_types, pattern_of
 
 # config.json fields read here (hidden from LlamaConverter, which reads or refuses some of them).
 OWN_FIELDS = (
@@ -153,7 +153,8 @@ class GemmaConverter(LlamaConverter):
         )
         full = {**(hf_rope_scaling(rope, where) or {"rope_type": "default"}), "rope_theta": rope["theta"]}
         if self.gemma3:
-            local = (_attention_types(model["decoder"]).get(SLIDING) or {}).get("position_embedding.theta", rope["theta"])
+            settings = pattern_of(model["decoder"], model["num_layers"])[1]
+            local = (settings.get(SLIDING) or {}).get("position_embedding.theta", rope["theta"])
             out["rope_parameters"] = {FULL: full, SLIDING: {"rope_type": "default", "rope_theta": local}}
         else:
             out["rope_parameters"] = full
@@ -169,11 +170,6 @@ class GemmaConverter(LlamaConverter):
             table["self_attn.q_norm.weight"] = (("self_attention", "q_norm", "scale"), "copy")
             table["self_attn.k_norm.weight"] = (("self_attention", "k_norm", "scale"), "copy")
         return table
-
-
-def _attention_types(decoder: Mapping[str, Any]) -> Mapping[str, Any]:
-    stack = decoder["layer"] if isinstance(decoder.get("layer"), Mapping) and "layer_types" in decoder["layer"] else decoder
-    return stack.get("attention_types") or {}
 
 
 GEMMA2 = GemmaConverter()
