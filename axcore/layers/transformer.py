@@ -15,7 +15,7 @@ Per-layer attention patterns: `StackedTransformer.layer_types` names each layer'
 attention type, and `attention_types` maps a type to the self-attention fields its
 layers set over `layer`'s (dotted paths: `sliding_window`, `position_embedding.theta`
 for a RoPE base per type, ...), applied when the stack is built, so they also hold
-over the config transforms of feature plugins (e.g. the rotary embedding `rope`
+over the config transforms of feature plugins (e.g. the position embedding `rope`
 installs). A scanned stack repeats a pattern as a `stacked_transformer` unit with
 its own `layer_types` (one period of the pattern).
 
