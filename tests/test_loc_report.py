@@ -110,8 +110,13 @@ def test_core_fields_written_name_a_replaced_component_by_its_slot():
 
 
 @pytest.fixture(scope="module")
-def rows():
-    return {row.name: row for row in loc_report()}
+def report():
+    return loc_report()
+
+
+@pytest.fixture(scope="module")
+def rows(report):
+    return {row.name: row for row in report}
 
 
 @pytest.mark.slow
@@ -143,9 +148,26 @@ def test_rope_integration_is_at_most_10_lines_and_touches_every_attention_layer(
 
 
 @pytest.mark.slow
-def test_readme_holds_the_current_table(rows, capsys, monkeypatch):
-    monkeypatch.setattr(axcore.tools.loc_report, "loc_report", lambda: list(rows.values()))  # Computed once.
+def test_readme_holds_the_current_table(report, capsys, monkeypatch):
+    monkeypatch.setattr(axcore.tools.loc_report, "loc_report", lambda: report)  # Computed once.
     assert main(["loc"]) == 0
     table = capsys.readouterr().out
-    assert table == format_table(list(rows.values()))
-    assert table in README.read_text(), "README's LoC table is stale: paste the output of `axcore loc`"
+    assert table == format_table(report) and "| model family |" in table  # Both tables.
+    assert table in README.read_text(), "README's LoC tables are stale: paste the output of `axcore loc`"
+
+
+@pytest.mark.slow
+def test_model_family_rows_name_the_core_mechanisms_each_family_uses():
+    from axcore.layers.attention import MultiheadAttention
+    from axcore.tools.family_loc import family_report
+
+    rows = {row.model_type: row for row in family_report()}
+    assert {"llama", "mistral", "qwen2", "qwen3"} <= set(rows)
+    assert rows["qwen2"].plugin == "qwen" and rows["qwen2"].hook_lines == 2
+    assert {"multihead_attention.qkv_bias", "stacked_transformer.layer_types"} <= set(rows["qwen2"].core_mechanisms)
+    assert {"multihead_attention.q_norm", "causal_lm.lm_head"} <= set(rows["qwen3"].core_mechanisms)
+    assert "multihead_attention.qkv_bias" not in rows["qwen3"].core_mechanisms  # Released Qwen3: no biases.
+    assert "multihead_attention.sliding_window" in rows["mistral"].core_mechanisms
+    # Only Qwen2's example has biases: the line declaring them runs for it alone.
+    assert _line_of(MultiheadAttention._bias_specs, 'specs["bq"]') in rows["qwen2"].core_lines
+    assert rows["llama"].core_lines == frozenset()

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# The hf plugin's tests are still in tests/plugins/ (test_hf_*.py).
+# The hf plugin's tests, and the qwen and gemma families', are in tests/plugins/ (test_hf_*.py, test_<family>_convert.py).
 OWN_TESTS = ("alibi", "moe", "remat", "rope", "swiglu", "tokenizers")
 
 

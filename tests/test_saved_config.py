@@ -97,8 +97,9 @@ def test_a_resolved_config_keeps_its_plugins(tmp_path):
 # slot; remat needs a scanned stack; the llama experiments configure rope themselves).
 FEATURES = {"alibi", "moe", "remat", "rope", "swiglu"}
 PLUGINS_DIR = pathlib.Path(__file__).parents[1] / "plugins"
-# Plugin directories that hold no model feature (they add tokenizers or converters, not config transforms of the model).
-NOT_FEATURES = {"hf", "moe_families", "tokenizers"}
+# Plugin directories that hold no model feature (they add tokenizers or converters, model families included, not
+# config transforms of the model).
+NOT_FEATURES = {"hf", "moe_families", "tokenizers", "qwen", "gemma"}
 COMBINATIONS = {
     "default": [["rope", "swiglu", "moe"], ["alibi", "moe", "swiglu"]],
     "scan": [["rope", "swiglu", "moe", "remat"], ["alibi", "swiglu", "moe", "remat"]],

@@ -6,6 +6,8 @@ them), with `d = input_dim`, `n = num_heads`, `k = num_kv_heads`, `h = head_dim`
 - `wq` `[d, n, h]` (logical axes `embed, heads, -`), dot site `q_proj`;
 - `wk`, `wv` `[d, k, h]` (`embed, kv_heads, -`), dot sites `k_proj`, `v_proj`;
 - `wo` `[n, h, d]` (`heads, -, embed`), dot site `o_proj`;
+- with `qkv_bias`: `bq` `[n, h]` (`heads, -`), `bk` and `bv` `[k, h]` (`kv_heads, -`),
+  added to the projections; with `output_bias`: `bo` `[d]` (`embed`); zeros at init;
 - children, when configured: `q_norm`, `k_norm` (e.g. `q_norm/scale` `[h]`) and
   `position_embedding`.
 
@@ -85,6 +87,10 @@ class MultiheadAttention(BaseLayer):
         kernel: str | None = None
         # Softmax scale; None = 1 / sqrt(head_dim).
         scale: Annotated[float, Positive] | None = None
+        # Whether the q, k and v projections add a learned bias (bq, bk, bv).
+        qkv_bias: bool = False
+        # Whether the output projection adds a learned bias (bo).
+        output_bias: bool = False
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -127,7 +133,26 @@ class MultiheadAttention(BaseLayer):
             "wk": self._weight((d, k, h), ("embed", "kv_heads", None), proj),
             "wv": self._weight((d, k, h), ("embed", "kv_heads", None), proj),
             "wo": self._weight((n, h, d), ("heads", None, "embed"), FanAxes((0, 1), (2,))),
+            **(self._bias_specs() if cfg.qkv_bias or cfg.output_bias else {}),
         }
+
+    def _bias_specs(self) -> dict[str, ParameterSpec]:
+        """`bq` `[n, h]`, `bk` and `bv` `[k, h]` (with `qkv_bias`) and `bo` `[d]` (with `output_bias`), zeros."""
+        cfg = self._config
+        n, k, h = cfg.num_heads, self.num_kv_heads, self.head_dim
+        specs = {}
+        if cfg.qkv_bias:
+            specs["bq"] = self._constant((n, h), 0.0, ("heads", None))
+            specs["bk"] = self._constant((k, h), 0.0, ("kv_heads", None))
+            specs["bv"] = self._constant((k, h), 0.0, ("kv_heads", None))
+        if cfg.output_bias:
+            specs["bo"] = self._constant((cfg.input_dim,), 0.0, ("embed",))
+        return specs
+
+    def _add_bias(self, y: jax.Array, name: str) -> jax.Array:
+        """y + the bias parameter `name` (in y's dtype) where this layer has one, else y."""
+        bias = self.parameters.get(name)
+        return y if bias is None else y + bias.astype(y.dtype)
 
     def _dot_sites(self) -> dict[str, DotSite]:
         x_axes = ("batch", "seq", "embed")
@@ -235,14 +260,15 @@ class MultiheadAttention(BaseLayer):
         return self.project_output(out), new
 
     def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Step 1, the input projections (`wq`, `wk`, `wv` through the `dot` op).
+        """Step 1, the input projections (`wq`, `wk`, `wv` through the `dot` op, plus `bq`, `bk`, `bv`
+        with `qkv_bias`).
 
         x `[b, t, input_dim]` -> q `[b, t, heads, head_dim]`, k and v `[b, t, kv_heads, head_dim]`,
         each with a sharding constraint from its logical axes (`QKV_AXES`).
         """
-        q = self._constrain(self._dot("q_proj", x), QKV_AXES["q"])
-        k = self._constrain(self._dot("k_proj", x), QKV_AXES["kv"])
-        return q, k, self._constrain(self._dot("v_proj", x), QKV_AXES["kv"])
+        q = self._constrain(self._add_bias(self._dot("q_proj", x), "bq"), QKV_AXES["q"])
+        k = self._constrain(self._add_bias(self._dot("k_proj", x), "bk"), QKV_AXES["kv"])
+        return q, k, self._constrain(self._add_bias(self._dot("v_proj", x), "bv"), QKV_AXES["kv"])
 
     def normalize_qk(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Step 2, the q/k norm: the `q_norm` / `k_norm` children over head_dim (identity where unset).
@@ -268,11 +294,11 @@ class MultiheadAttention(BaseLayer):
         return q, k
 
     def project_output(self, out: jax.Array) -> jax.Array:
-        """Step 5, the output projection (`wo` through the `dot` op).
+        """Step 5, the output projection (`wo` through the `dot` op, plus `bo` with `output_bias`).
 
         out `[b, t, heads, head_dim]` (constrained like q) -> `[b, t, input_dim]`.
         """
-        return self._dot("o_proj", self._constrain(out, QKV_AXES["q"]))
+        return self._add_bias(self._dot("o_proj", self._constrain(out, QKV_AXES["q"])), "bo")
 
     def attend(
         self, q, k, v, *, positions=None, kv_mask=None, segment_ids=None, kv_positions=None, masked_by_positions=False

@@ -98,7 +98,10 @@ class Embedding(BaseLayer):
 
 
 class RMSNorm(BaseLayer):
-    """x / sqrt(mean(x^2) + eps) * scale over the last axis, computed in float32.
+    """x / sqrt(mean(x^2) + eps) * (scale_offset + scale) over the last axis, computed in float32.
+
+    With `scale_offset` 1 the learned `scale` is a deviation from a gain of 1 (`x * (1 + w)`,
+    a zero-centred gain); it starts at `1 - scale_offset`, so every norm starts with a gain of 1.
 
     Runs through the `rms_norm` op (`axcore.kernels.norm`): `kernels: {rms_norm: NAME}` on
     this layer or an ancestor forces a kernel (`xla`, the reference, computes the formula
@@ -112,14 +115,18 @@ class RMSNorm(BaseLayer):
         input_dim: Annotated[int, Width] = REQUIRED
         # Added to the mean square for numerical stability.
         eps: Annotated[float, Positive] = 1e-6
+        # Added to the learned scale (in float32) before it multiplies: 1 gives x * (1 + scale).
+        scale_offset: float = 0.0
 
     def _create_parameter_specs(self) -> dict[str, ParameterSpec]:
         # Logical axis "norm" (replicated by default): a few bytes, read by every shard.
-        return {"scale": self._constant((self._config.input_dim,), 1.0, ("norm",))}
+        return {"scale": self._constant((self._config.input_dim,), 1.0 - self._config.scale_offset, ("norm",))}
 
     def forward(self, x: jax.Array) -> jax.Array:
         """x `[..., input_dim]` -> the same shape and dtype, through the selected `rms_norm` kernel."""
         scale = self.parameters["scale"]
+        if self._config.scale_offset != 0.0:
+            scale = scale.astype(jnp.float32) + self._config.scale_offset
         problem = rms_norm_problem(
             x,
             scale,

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 
-from axcore.config import REQUIRED, Depth, InstantiableConfig, Length, NonNegative, Width
+from axcore.config import REQUIRED, Depth, InstantiableConfig, Length, NonNegative, Positive, Width
 from axcore.config.traversal import find
 from axcore.errors import ConfigError
 from axcore.layers.attention import MultiheadAttention
@@ -81,6 +82,10 @@ class CausalLM(BaseLayer):
         lm_head: InstantiableConfig | None = Linear.default_config().set(bias=False)
         # Weight of the z-loss mean(logsumexp(logits)^2).
         z_loss_scale: Annotated[float, NonNegative] = 0.0
+        # Multiply the token embeddings by sqrt(dim) (in the compute dtype) before the decoder.
+        scale_embeddings: bool = False
+        # Final logit soft-cap c: logits = c * tanh(logits / c), in float32; None = none.
+        logits_softcap: Annotated[float, Positive] | None = None
 
     @classmethod
     def default_config(cls):
@@ -174,16 +179,23 @@ class CausalLM(BaseLayer):
         return self._head(x), {"decoder": decoder_cache}
 
     def _embed(self, input_ids: jax.Array, positions: jax.Array) -> jax.Array:
-        """input_ids `[b, t]` -> the decoder's input `[b, t, dim]` (token and input position embeddings)."""
+        """input_ids `[b, t]` -> the decoder's input `[b, t, dim]` (token embeddings, times sqrt(dim) with
+        `scale_embeddings`, and input position embeddings)."""
         x = self.embedding(input_ids)
+        if self._config.scale_embeddings:
+            x = x * jnp.asarray(math.sqrt(self._config.dim), x.dtype)
         if "position_embedding" in self.children:
             x = self.position_embedding.embed_inputs(x, positions)
         return self._constrain(x, RESIDUAL_AXES)
 
     def _head(self, x: jax.Array) -> jax.Array:
-        """The decoder's output `[b, t, dim]` -> float32 logits `[b, t, vocab_size]` (final norm, head)."""
+        """The decoder's output `[b, t, dim]` -> float32 logits `[b, t, vocab_size]` (final norm, head,
+        `logits_softcap`)."""
         x = self.final_norm(x)
         logits = self.lm_head(x) if "lm_head" in self.children else self.embedding.attend(x)
+        cap = self._config.logits_softcap
+        if cap is not None:
+            logits = cap * jnp.tanh(logits.astype(jnp.float32) / cap)
         return self._constrain(logits, LOGITS_AXES)
 
     @no_context

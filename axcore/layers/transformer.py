@@ -11,6 +11,14 @@ to every layer (`positions`, `kv_mask`). For the same parameters (the scanned st
 holds each unrolled layer's tree stacked on a leading `num_layers` axis) they give
 the same numbers.
 
+Per-layer attention patterns: `StackedTransformer.layer_types` names each layer's
+attention type, and `attention_types` maps a type to the self-attention fields its
+layers set over `layer`'s (dotted paths: `sliding_window`, `position_embedding.theta`
+for a RoPE base per type, ...), applied when the stack is built, so they also hold
+over the config transforms of feature plugins (e.g. the position embedding `rope`
+installs). A scanned stack repeats a pattern as a `stacked_transformer` unit with
+its own `layer_types` (one period of the pattern).
+
 Incremental decoding: every layer and stack has `init_cache(batch, max_len)` (no
 parameters needed) and `extend(x, cache, *, positions) -> (x, cache)`, the forward
 with the attention's keys and values kept in a KV cache (see
@@ -21,13 +29,15 @@ like its parameters (`layer0`, ... or one `layer` tree with a leading repeats ax
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 import jax
 import jax.numpy as jnp
 
 from axcore.config import REQUIRED, Depth, InstantiableConfig, Probability, Width
-from axcore.errors import ConfigError
+from axcore.config.traversal import get_path
+from axcore.errors import ConfigError, did_you_mean
 from axcore.layers.attention import MultiheadAttention, decoding_into
 from axcore.layers.base import BaseLayer, checkpoint_policy, with_fields
 from axcore.layers.basic import RMSNorm
@@ -42,7 +52,11 @@ RESIDUAL_AXES = ("batch", "seq", "embed")
 class TransformerLayer(BaseLayer):
     """x + attn(norm(x)), then + ffn(norm(x)); optional residual dropout.
 
-    Children (public names): `attention_norm`, `self_attention`, `ffn_norm`, `feed_forward`.
+    With `post_norms` (sandwich norms) each sublayer's output is normalized
+    too before the residual add: x + post_norm(attn(norm(x))).
+
+    Children (public names): `attention_norm`, `self_attention`, `ffn_norm`, `feed_forward`,
+    and with `post_norms` `post_attention_norm`, `post_ffn_norm`.
     """
 
     class Config(BaseLayer.Config):
@@ -58,6 +72,8 @@ class TransformerLayer(BaseLayer):
         feed_forward: InstantiableConfig = FeedForward.default_config()
         # Dropout rate on each sublayer's output, in training only.
         dropout_rate: Annotated[float, Probability] = 0.0
+        # Sandwich norms: also normalize each sublayer's output (with `norm`) before the residual add.
+        post_norms: bool = False
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -67,6 +83,9 @@ class TransformerLayer(BaseLayer):
         self.add_child("self_attention", with_fields(cfg.self_attention, input_dim=dim))
         self.add_child("ffn_norm", with_fields(cfg.norm, input_dim=dim))
         self.add_child("feed_forward", with_fields(cfg.feed_forward, input_dim=dim))
+        if cfg.post_norms:
+            self.add_child("post_attention_norm", with_fields(cfg.norm, input_dim=dim))
+            self.add_child("post_ffn_norm", with_fields(cfg.norm, input_dim=dim))
 
     def _dropout(self, x: jax.Array, name: str) -> jax.Array:
         rate = self._config.dropout_rate
@@ -85,16 +104,22 @@ class TransformerLayer(BaseLayer):
         return self._constrain(self.ffn_block(x), RESIDUAL_AXES)
 
     def attention_block(self, x: jax.Array, **kwargs) -> jax.Array:
-        """Step 1: `x + dropout(self_attention(attention_norm(x), **kwargs))`; `[b, t, dim]` -> the same.
+        """Step 1: `x + dropout(self_attention(attention_norm(x), **kwargs))`, with `post_norms`
+        `post_attention_norm` applied to the attention's output; `[b, t, dim]` -> the same.
 
         `kwargs` (`positions`, `kv_mask`, `segment_ids`) go to the attention.
         """
         h = self.self_attention(self.attention_norm(x), **kwargs)
+        if "post_attention_norm" in self.children:
+            h = self.post_attention_norm(h)
         return x + self._dropout(h, "attention_dropout")
 
     def ffn_block(self, x: jax.Array) -> jax.Array:
-        """Step 2: `x + dropout(feed_forward(ffn_norm(x)))`; `[b, t, dim]` -> the same."""
+        """Step 2: `x + dropout(feed_forward(ffn_norm(x)))`, with `post_norms` `post_ffn_norm`
+        applied to the feed-forward's output; `[b, t, dim]` -> the same."""
         h = self.feed_forward(self.ffn_norm(x))
+        if "post_ffn_norm" in self.children:
+            h = self.post_ffn_norm(h)
         return x + self._dropout(h, "ffn_dropout")
 
     @no_context
@@ -137,6 +162,14 @@ class StackedTransformer(BaseLayer):
         num_layers: Annotated[int, Depth] = REQUIRED
         # One config used for every layer, or a list with one config per layer.
         layer: InstantiableConfig | list[InstantiableConfig] = TransformerLayer.default_config()
+        # Attention type of each layer (names of attention_types, e.g. [local, local, global]); None = none.
+        layer_types: list[str] | None = None
+        # Per attention type, self_attention fields (dotted paths) its layers set over `layer`'s, e.g.
+        # {local: {sliding_window: 512, position_embedding.theta: 10000.0}}; read with layer_types.
+        attention_types: dict[str, dict[str, Any]] | None = None
+
+        def check_fields(self) -> list[tuple[str, str]]:
+            return attention_pattern_problems(self.layer_types, self.attention_types, self.num_layers)
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -146,6 +179,14 @@ class StackedTransformer(BaseLayer):
             raise ConfigError(
                 f"{self.path}: 'layer' lists {len(layers)} configs but num_layers is {cfg.num_layers}."
             )
+        problems = attention_pattern_problems(cfg.layer_types, cfg.attention_types, cfg.num_layers)
+        if problems:
+            raise ConfigError(f"'{self.path}.{problems[0][0]}' {problems[0][1]}.")
+        if cfg.layer_types is not None:
+            layers = [
+                with_attention_type(layer_cfg, cfg.attention_types[name], f"{self.path}.attention_types.{name}")
+                for layer_cfg, name in zip(layers, cfg.layer_types)
+            ]
         for i, layer_cfg in enumerate(layers):
             self._add_child(f"layer{i}", with_fields(layer_cfg, input_dim=cfg.input_dim))
 
@@ -165,6 +206,49 @@ class StackedTransformer(BaseLayer):
         for i in range(self._config.num_layers):
             x, new[f"layer{i}"] = getattr(self, f"layer{i}").extend(x, cache[f"layer{i}"], positions=positions)
         return x, new
+
+
+def attention_pattern_problems(
+    layer_types: list[str] | None, attention_types: Mapping[str, Any] | None, num_layers: Any
+) -> list[tuple[str, str]]:
+    """`(field, problem)` pairs of a stack's `layer_types` / `attention_types` (empty when consistent)."""
+    if layer_types is None:
+        if attention_types:
+            return [("attention_types", "is set but layer_types is not; list each layer's attention type")]
+        return []
+    if isinstance(num_layers, int) and len(layer_types) != num_layers:
+        return [("layer_types", f"lists {len(layer_types)} types but num_layers is {num_layers}; give one per layer")]
+    known = attention_types or {}
+    for i, name in enumerate(layer_types):
+        if name not in known:
+            return [(
+                f"layer_types[{i}]",
+                f"is {name!r}, which attention_types does not define{did_you_mean(name, known)} (defined: "
+                f"{', '.join(known) or 'none'})",
+            )]
+    return []
+
+
+def with_attention_type(layer: InstantiableConfig, fields: Mapping[str, Any], where: str) -> InstantiableConfig:
+    """A copy of the layer config `layer` whose `self_attention` has `fields` (dotted paths -> values) set.
+
+    Raises ConfigError naming `where.<path>` when the attention config has no such field.
+    """
+    layer = layer.clone()
+    attention = layer.self_attention
+    for path, value in fields.items():
+        *parents, name = path.split(".")
+        try:
+            node = get_path(attention, ".".join(parents)) if parents else attention
+            if node is None or name not in node.keys():
+                raise ConfigError(f"{type(node).__name__} has no field {name!r}")
+            setattr(node, name, value)
+        except (ConfigError, AttributeError, ValueError, TypeError) as e:
+            raise ConfigError(
+                f"{where}.{path}: cannot set the self_attention field ({e}); name a field of the layer's "
+                f"self_attention config, e.g. sliding_window or position_embedding.theta."
+            ) from None
+    return layer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -258,7 +258,7 @@ def _bad_dir(tmp_path, edit):
 @pytest.mark.parametrize(
     "edit, expected",
     [
-        (lambda c: c.update(model_type="qwen2"), "model_type 'qwen2' has no converter"),
+        (lambda c: c.update(model_type="phi3"), "model_type 'phi3' has no converter"),
         (lambda c: c.update(attention_bias=True), "'attention_bias' is true"),
         (lambda c: c.update(mlp_bias=True), "'mlp_bias' is true"),
         (lambda c: c.update(hidden_act="gelu"), "'hidden_act' is 'gelu'"),

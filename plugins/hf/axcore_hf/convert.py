@@ -43,6 +43,7 @@ from axcore.plugin.loading import installed_entry_points
 
 from axcore_hf import files
 from axcore_hf.llama import first_layer
+from axcore_hf.patterns import pattern_of, scanned_decoder
 
 # Files of a Hugging Face directory kept in OUT/hf/ on import and copied back on export (tokenizers etc.).
 KEPT_FILES = (
@@ -119,7 +120,7 @@ def hf_to_axcore(
     converter = find_converter(config["model_type"], where)
     data = {"name": _experiment_name(hf_dir), **converter.experiment(config, where)}
     if scan:
-        data["model"]["decoder"]["type"] = "repeated_transformer"
+        data["model"]["decoder"] = scanned_decoder(data["model"]["decoder"], data["model"]["num_layers"], where)
     max_len = config.get("max_position_embeddings")
     data["input"] = {"seq_len": seq_len or min(256, max_len if isinstance(max_len, int) and max_len > 0 else 256)}
     data["trainer"] = {"run_dir": str(out)}
@@ -271,11 +272,14 @@ def _differences(a: Any, b: Any, path: str) -> list[str]:
 
 
 def _layers_only(model: Mapping[str, Any]) -> dict[str, Any]:
-    """Model config data with the decoder reduced to its layer config(s) (stacked, scanned or a scanned block)."""
-    layer = model["decoder"]["layer"]
-    if isinstance(layer, Mapping) and layer.get("type") == "stacked_transformer":
-        layer = layer["layer"]
-    return {**model, "decoder": {"layer": layer}}
+    """Model config data with the decoder reduced to its layer config(s) (stacked, scanned or a scanned block)
+    and its per-layer attention pattern (`layer_types`, `attention_types`), if any."""
+    stack = model["decoder"]
+    if isinstance(stack["layer"], Mapping) and stack["layer"].get("type") == "stacked_transformer":
+        stack = stack["layer"]
+    types, attention_types = pattern_of(model["decoder"], model["num_layers"])  # A scanned block's over the depth.
+    pattern = {"layer_types": types, "attention_types": attention_types or None}
+    return {**model, "decoder": {"layer": stack["layer"], **pattern}}
 
 
 def _check_expressible(converter: ModelConverter, config: dict, experiment: Any, where: str) -> None:

@@ -67,6 +67,8 @@ def hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (shape[2], shape[0] * shape[1])
     if kind == "linear":  # [in, out] <- [out, in]
         return (shape[1], shape[0])
+    if kind == "flat":  # [n, h] <- [n*h] (a projection's bias)
+        return (math.prod(shape),)
     return tuple(shape)
 
 
@@ -83,6 +85,8 @@ def to_hf(kind: str, param: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(p.reshape(p.shape[0], -1).T)
     if kind == "out_proj":
         return np.ascontiguousarray(p.reshape(-1, p.shape[-1]).T)
+    if kind == "flat":
+        return np.ascontiguousarray(p.reshape(-1))
     return np.ascontiguousarray(p.T) if kind == "linear" else p
 
 
@@ -125,6 +129,15 @@ class LlamaConverter:
     sliding_window: bool = False
 
     # -- Configs ----------------------------------------------------------------------
+
+    def example_config(self) -> dict[str, Any]:
+        """A tiny config.json of this family (the model `axcore loc` runs to see which core lines it uses)."""
+        config = {
+            "model_type": self.model_type, "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 64, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        }
+        return {**config, "sliding_window": 4} if self.sliding_window else config
 
     def experiment(self, config: Mapping[str, Any], where: str) -> dict[str, Any]:
         """config.json data -> experiment data (`plugins: [rope, swiglu]`, `rope:`, `swiglu:`, `model:`)."""
@@ -222,6 +235,14 @@ class LlamaConverter:
 
     # -- Parameters -------------------------------------------------------------------
 
+    def layer_tensors(self, config: Mapping[str, Any]) -> dict[str, tuple[tuple[str, ...], str]]:
+        """Per-layer tensors of a checkpoint with this config.json: HF suffix -> (axcore path, layout kind).
+
+        `LAYER_TENSORS`; families that add tensors (biases, q/k norms) extend it.
+        """
+        del config
+        return LAYER_TENSORS
+
     def params_from_outside(self, tensors: Mapping[str, Any], config: Mapping[str, Any], template: Any, where: str) -> dict:
         """HF tensors -> axcore params (float32 NumPy) shaped like `template` (a tree with `.shape` leaves)."""
         shapes = _shapes(template)
@@ -246,7 +267,7 @@ class LlamaConverter:
             if path[0] in shapes:
                 _set(params, path, take(name, kind, _get(shapes, path)))
         for i, (prefix, index) in enumerate(layer_slots(shapes["decoder"], _num_layers(config, where))):
-            for suffix, (path, kind) in LAYER_TENSORS.items():
+            for suffix, (path, kind) in self.layer_tensors(config).items():
                 full = _get(shapes, prefix + path)
                 if index is None:
                     _set(params, prefix + path, take(f"model.layers.{i}.{suffix}", kind, full))
@@ -273,7 +294,7 @@ class LlamaConverter:
             if path[0] in params:
                 out[name] = to_hf(kind, _get(params, path))
         for i, (prefix, index) in enumerate(layer_slots(params["decoder"], _num_layers(config, "config.json"))):
-            for suffix, (path, kind) in LAYER_TENSORS.items():
+            for suffix, (path, kind) in self.layer_tensors(config).items():
                 value = np.asarray(_get(params, prefix + path))
                 out[f"model.layers.{i}.{suffix}"] = to_hf(kind, value if index is None else value[index])
         return out
