@@ -1,8 +1,9 @@
 """Compatibility path: `axcore.config_modifiers` is `axcore.experiment.config_modifiers`.
 
-It is named for plugin authors in docs/hooks.md: `Modifier` and the built-in modifiers.
-Plugins written against the flat layout keep importing from here; new code imports
-`axcore.experiment.config_modifiers`. Nothing inside `axcore` imports this module (the import contracts say so).
+The flat layout's path that docs/hooks.md gave plugin authors (`Modifier` and the built-in
+modifiers). Plugins written against the flat layout keep importing from here; new code
+imports `axcore.experiment.config_modifiers`. Nothing inside `axcore` imports this module
+(the import contracts say so).
 """
 
 from axcore.experiment.config_modifiers import (

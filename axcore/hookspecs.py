@@ -1,8 +1,9 @@
 """Compatibility path: `axcore.hookspecs` is `axcore.plugin.hookspecs`.
 
-It is the file docs/hooks.md, the README and DESIGN.md name as the plugin API.
+The flat layout's path that docs/hooks.md, the README and DESIGN.md name as the plugin API.
 Plugins written against the flat layout keep importing from here; new code imports
-`axcore.plugin.hookspecs`. Nothing inside `axcore` imports this module (the import contracts say so).
+`axcore.plugin.hookspecs`. Nothing inside `axcore` imports this module (the import contracts
+say so).
 """
 
 from axcore.plugin.hookspecs import (

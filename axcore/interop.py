@@ -1,8 +1,9 @@
 """Compatibility path: `axcore.interop` is `axcore.checkpoint.interop`.
 
-It is named for converter authors in docs/hooks.md and docs/huggingface.md.
+The flat layout's path that docs/hooks.md and docs/huggingface.md gave converter authors.
 Plugins written against the flat layout keep importing from here; new code imports
-`axcore.checkpoint.interop`. Nothing inside `axcore` imports this module (the import contracts say so).
+`axcore.checkpoint.interop`. Nothing inside `axcore` imports this module (the import
+contracts say so).
 """
 
 from axcore.checkpoint.interop import (

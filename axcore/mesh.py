@@ -1,8 +1,9 @@
 """Compatibility path: `axcore.mesh` is `axcore.platform.mesh`.
 
-It is named for plugin authors in docs/hooks.md and docs/writing-a-hardware-plugin.md.
-Plugins written against the flat layout keep importing from here; new code imports
-`axcore.platform.mesh`. Nothing inside `axcore` imports this module (the import contracts say so).
+The flat layout's path that docs/hooks.md and docs/writing-a-hardware-plugin.md gave plugin
+authors. Plugins written against the flat layout keep importing from here; new code imports
+`axcore.platform.mesh`. Nothing inside `axcore` imports this module (the import contracts
+say so).
 """
 
 from axcore.platform.mesh import (

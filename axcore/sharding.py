@@ -1,8 +1,8 @@
 """Compatibility path: `axcore.sharding` is `axcore.platform.sharding`.
 
-It is named in the README's sharding section.
-Plugins written against the flat layout keep importing from here; new code imports
-`axcore.platform.sharding`. Nothing inside `axcore` imports this module (the import contracts say so).
+The flat layout's path that the README's sharding section named. Plugins written against the
+flat layout keep importing from here; new code imports `axcore.platform.sharding`. Nothing
+inside `axcore` imports this module (the import contracts say so).
 """
 
 from axcore.platform.sharding import (

@@ -1,5 +1,4 @@
-"""`axcore eval RUN_OR_CKPT`: held-out loss and perplexity of a run's checkpoint (`axcore.inference.evaluation`).
-"""
+"""`axcore eval RUN_OR_CKPT`: held-out loss and perplexity of a run's checkpoint (`axcore.inference.evaluation`)."""
 
 from __future__ import annotations
 

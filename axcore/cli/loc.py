@@ -1,5 +1,4 @@
-"""`axcore loc`: the integration lines of code of each installed plugin, as a Markdown table.
-"""
+"""`axcore loc`: the integration lines of code of each installed plugin, as a Markdown table."""
 
 from __future__ import annotations
 
