@@ -28,6 +28,7 @@ product as `axcore_lora.kernel`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import tempfile
@@ -181,13 +182,15 @@ def import_peft(base_run: str | os.PathLike, adapter_dir: str | os.PathLike, out
         name, target = (A, "a") if which.startswith("A") else (B, "b")
         current = pair[name] if index is None else pair[name][index]
         value = np.asarray(value, np.float32)
-        new = value.T if target == "a" else value.T.reshape(current.shape)
-        if value.size != current.size or new.shape != current.shape:
+        # PEFT's layout: lora_A [rank, in] = a^T; lora_B [out, rank] = b as [rank, out], transposed.
+        needed = (current.shape[1], current.shape[0]) if target == "a" else (math.prod(current.shape[1:]), current.shape[0])
+        if value.shape != needed:
             raise PeftAdapterError(
                 f"'{adapter_dir / WEIGHTS_NAME}': tensor {key} has shape {list(value.shape)}, but base run "
-                f"{base.source}'s projection needs {list(current.T.shape if target == 'a' else (current.shape[0], -1))[::-1]}"
-                f"; the adapter was trained for another base model."
+                f"{base.source} with lora rank {rank} needs {list(needed)}; the adapter was trained for another "
+                f"base model."
             )
+        new = value.T if target == "a" else value.T.reshape(current.shape)
         if index is None:
             pair[name] = new.astype(current.dtype)
         else:

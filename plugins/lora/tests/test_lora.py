@@ -6,8 +6,6 @@ and down `[64 -> 32]`.
 """
 
 import math
-import pathlib
-import sys
 
 import jax
 import numpy as np
@@ -20,8 +18,7 @@ from axcore.trainer.step import TrainStep
 
 from axcore_lora import LoraConfigError
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[3] / "tests"))
-import tiny  # noqa: E402
+import tiny
 
 RANK = 4
 # (in, out) of every targeted projection of one tiny layer.
