@@ -97,8 +97,9 @@ def test_a_resolved_config_keeps_its_plugins(tmp_path):
 # slot; remat needs a scanned stack; the llama experiments configure rope themselves).
 FEATURES = {"alibi", "lora", "moe", "remat", "rope", "swiglu"}
 PLUGINS_DIR = pathlib.Path(__file__).parents[1] / "plugins"
-# Plugin directories that hold no model feature (they add tokenizers or converters, not config transforms of the model).
-NOT_FEATURES = {"hf", "tokenizers"}
+# Plugin directories that hold no model feature (they add tokenizers, converters or an objective, not config transforms
+# of the model).
+NOT_FEATURES = {"dpo", "hf", "tokenizers"}
 COMBINATIONS = {
     "default": [["rope", "swiglu", "moe"], ["alibi", "moe", "swiglu", "lora"]],
     "scan": [["rope", "swiglu", "moe", "remat", "lora"], ["alibi", "swiglu", "moe", "remat"]],

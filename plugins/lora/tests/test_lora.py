@@ -40,8 +40,8 @@ def test_fresh_adapters_give_the_base_logits_exactly():
     base_model = base.config.model.instantiate(name="model", registries=base.registries)
     params, base_params = model.initialize(jax.random.key(0)), base_model.initialize(jax.random.key(0))
     ids = next(exp.config.input.make_iterator(Split.TRAIN))["input_ids"]
-    logits = axcore.functional(model, params, (ids,), None, False, method="logits")[0]
-    expected = axcore.functional(base_model, base_params, (ids,), None, False, method="logits")[0]
+    logits = jax.jit(lambda p: axcore.functional(model, p, (ids,), None, False, method="logits")[0])(params)
+    expected = jax.jit(lambda p: axcore.functional(base_model, p, (ids,), None, False, method="logits")[0])(base_params)
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(expected))
 
     pairs = {k: v for k, v in _flat(params).items() if "/lora_" in k}
