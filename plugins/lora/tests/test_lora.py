@@ -117,3 +117,29 @@ def test_the_cli_prints_one_line_and_exits_2(tmp_path, capsys):
     assert main(["config", str(tmp_path / "e.yaml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'lora.target' ('nothing') matches no projection" in err[0]
+
+
+def _dot_output_shapes(jaxpr) -> set:
+    """Shapes of every dot_general's output in a jaxpr and the jaxprs nested in its equations."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            shapes.add(tuple(eqn.outvars[0].aval.shape))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    shapes |= _dot_output_shapes(inner)
+    return shapes
+
+
+def test_no_gradient_is_computed_for_the_base_weights():
+    """The traced train step has no matmul producing a frozen weight's gradient (the up and down projections'
+    `[32, 64]` and `[64, 32]`); the same step of full fine-tuning has both."""
+    def shapes(exp):
+        step = TrainStep(exp)
+        return _dot_output_shapes(jax.make_jaxpr(step.train_step)(step.abstract_state(), step.abstract_batch()).jaxpr)
+
+    frozen = {(32, 64), (64, 32)}
+    assert frozen <= shapes(load_experiment(None, tiny.TINY))
+    assert not frozen & shapes(_experiment())
