@@ -133,7 +133,9 @@ def _raw_config(run: str | os.PathLike) -> dict:
     return raw
 
 
-def _load_raw(raw: dict):
+def _load_raw(raw: dict, run_dir: str | os.PathLike):
+    """The experiment of `raw` whose `trainer.run_dir` is `run_dir` (the new run's, so `axcore train` writes there)."""
+    raw = dict(raw, trainer={**(raw.get("trainer") or {}), "run_dir": str(pathlib.Path(run_dir).resolve())})
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "experiment.yaml"
         path.write_text(yaml.safe_dump(raw, sort_keys=False), "utf-8")
@@ -165,7 +167,7 @@ def import_peft(base_run: str | os.PathLike, adapter_dir: str | os.PathLike, out
     raw["lora"] = {"rank": rank, "alpha": float(config["lora_alpha"]), "dropout": float(config.get("lora_dropout") or 0.0),
                    "target": _target_regex(modules)}
     base = load_model(base_run)
-    experiment = _load_raw(raw)
+    experiment = _load_raw(raw, out)
     model = experiment.config.model.instantiate(name="model", registries=experiment.registries)
     params = jax.device_get(model.initialize(jax.random.key(experiment.config.trainer.seed)))
     params = _overlay(params, jax.device_get(base.params))
@@ -246,7 +248,7 @@ def merge(run: str | os.PathLike, out: str | os.PathLike, *, step: int | None = 
     if "lora" in (extras.get("dot") or {}):
         del extras["dot"]["lora"]
     ((raw.get("trainer") or {}).get("learner") or {}).pop("trainable", None)
-    save_model(_load_raw(raw), params, out)
+    save_model(_load_raw(raw, out), params, out)
     return pathlib.Path(out)
 
 

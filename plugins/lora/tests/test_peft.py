@@ -141,3 +141,19 @@ def test_an_adapter_for_another_base_is_refused_in_one_line(imported, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the adapter was trained for another base model" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_after_training_the_exported_adapter_gives_axcores_logits_in_peft(imported, tmp_path):
+    """The imported LoRA run fine-tuned by `axcore train` (3 steps), then exported: PEFT agrees within 1e-4."""
+    _, config, root = imported
+    run = tmp_path / "trained"
+    assert main(["lora", "import-peft", str(root / "base"), str(root / "adapter"), str(run)]) == 0
+    before = _axcore_logits(run)
+    assert main(["train", str(run / "config.yaml"), "--set", "trainer.max_steps=3", "--set", "input.seq_len=32",
+                 "--set", "input.batch_size=2", "--set", "trainer.sample.num_tokens=0"]) == 0
+    after = _axcore_logits(run)
+    assert np.abs(after - before).max() > 1e-3  # Training moved the adapters.
+    assert [p.name for p in (root / "base" / "checkpoints").iterdir()] == ["0"]  # The base run is untouched.
+    assert main(["lora", "export-peft", str(run), str(tmp_path / "exported")]) == 0
+    loaded = peft.PeftModel.from_pretrained(_hf_model(config), tmp_path / "exported").eval()
+    assert np.abs(_logits(loaded) - after).max() < TOLERANCE
