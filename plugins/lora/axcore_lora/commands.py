@@ -1,5 +1,6 @@
 """`axcore lora`: PEFT adapter export and import, and the merged model (`axcore_lora.peft`).
 
+    axcore lora init BASE_RUN OUT [--rank R --alpha A --dropout D --target REGEX]   # fresh adapters
     axcore lora export-peft RUN OUT [--step N]     # a LoRA run's adapters -> PEFT adapter directory
     axcore lora import-peft BASE_RUN ADAPTER OUT   # base run + PEFT adapter -> LoRA run directory
     axcore lora merge RUN OUT [--step N]           # adapters folded into the weights -> plain run
@@ -12,6 +13,12 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
+    init = sub.add_parser("init", help="a base run plus fresh adapters (B = 0) -> a LoRA run directory to train")
+    init.add_argument("base_run", help="the base model's run directory (e.g. from axcore convert hf-to-axcore)")
+    init.add_argument("out", help="new run directory (train it with axcore train OUT/config.yaml)")
+    for name, kind, doc in [("rank", int, "adapter rank"), ("alpha", float, "scale numerator (alpha / rank)"),
+                            ("dropout", float, "dropout on the adapter's input"), ("target", str, "regex of the sites")]:
+        init.add_argument(f"--{name}", type=kind, default=None, help=f"{doc} (default: the lora plugin's)")
     export = sub.add_parser("export-peft", help="write a LoRA run's adapters as a PEFT adapter directory")
     export.add_argument("run", help="LoRA run directory (or a step directory)")
     export.add_argument("out", help="directory to write adapter_config.json and adapter_model.safetensors into")
@@ -29,7 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from axcore_lora import peft  # Deferred: JAX and the checkpoint machinery.
 
-    if args.action == "export-peft":
+    if args.action == "init":
+        settings = {k: getattr(args, k) for k in ("rank", "alpha", "dropout", "target") if getattr(args, k) is not None}
+        out = peft.init(args.base_run, args.out, settings)
+    elif args.action == "export-peft":
         out = peft.export_peft(args.run, args.out, step=args.step)
     elif args.action == "import-peft":
         out = peft.import_peft(args.base_run, args.adapter, args.out)

@@ -20,6 +20,8 @@ product as `axcore_lora.kernel`.
   (`PeftAdapterError`) when the adapter is not LoRA, or a tensor names a module the base
   has no projection for, or has another shape than the base's projection (an adapter
   trained for another base).
+- `init(base_run, out, settings)`: a base run plus fresh adapters (B = 0: the base's logits)
+  -> a LoRA run directory `out` to fine-tune with `axcore train out/config.yaml`.
 - `merge(run, out)`: the base model with every adapter folded in,
   `w + (lora_a @ lora_b) * alpha / rank` in w's layout, as a plain run directory (no
   lora plugin), which `axcore convert axcore-to-hf` exports to Hugging Face.
@@ -162,15 +164,9 @@ def import_peft(base_run: str | os.PathLike, adapter_dir: str | os.PathLike, out
     tensors = load_file(str(adapter_dir / WEIGHTS_NAME))
     modules = sorted({k.removeprefix(PREFIX).rsplit(".lora_", 1)[0] for k in tensors})
     rank = int(config["r"])
-    raw = _raw_config(base_run)
-    raw["plugins"] = [*[p for p in raw.get("plugins", []) if p != "lora"], "lora"]
-    raw["lora"] = {"rank": rank, "alpha": float(config["lora_alpha"]), "dropout": float(config.get("lora_dropout") or 0.0),
-                   "target": _target_regex(modules)}
-    base = load_model(base_run)
-    experiment = _load_raw(raw, out)
-    model = experiment.config.model.instantiate(name="model", registries=experiment.registries)
-    params = jax.device_get(model.initialize(jax.random.key(experiment.config.trainer.seed)))
-    params = _overlay(params, jax.device_get(base.params))
+    settings = {"rank": rank, "alpha": float(config["lora_alpha"]), "dropout": float(config.get("lora_dropout") or 0.0),
+                "target": _target_regex(modules)}
+    experiment, params, base = _with_fresh_adapters(base_run, settings, out)
     found = {}
     for module, state, index, _, _ in _modules(params, _num_layers(experiment)):
         found[module] = (state, index)
@@ -198,6 +194,27 @@ def import_peft(base_run: str | os.PathLike, adapter_dir: str | os.PathLike, out
         else:
             pair[name] = np.array(pair[name]).copy()
             pair[name][index] = new
+    save_model(experiment, params, out)
+    return pathlib.Path(out)
+
+
+def _with_fresh_adapters(base_run: str | os.PathLike, settings: dict, out: str | os.PathLike):
+    """`(experiment, params, base)`: base run `base_run` with the lora plugin of `settings` (run directory `out`), its
+    parameters the base's latest ones plus freshly initialised adapters (A Kaiming-uniform, B = 0)."""
+    raw = _raw_config(base_run)
+    raw["plugins"] = [*[p for p in raw.get("plugins", []) if p != "lora"], "lora"]
+    raw["lora"] = settings
+    base = load_model(base_run)
+    experiment = _load_raw(raw, out)
+    model = experiment.config.model.instantiate(name="model", registries=experiment.registries)
+    params = jax.device_get(model.initialize(jax.random.key(experiment.config.trainer.seed)))
+    return experiment, _overlay(params, jax.device_get(base.params)), base
+
+
+def init(base_run: str | os.PathLike, out: str | os.PathLike, settings: dict) -> pathlib.Path:
+    """A LoRA run directory `out`: base run `base_run`'s latest parameters plus fresh adapters of `settings`
+    (the `lora:` section: rank, alpha, dropout, target; missing keys keep their defaults)."""
+    experiment, params, _ = _with_fresh_adapters(base_run, settings, out)
     save_model(experiment, params, out)
     return pathlib.Path(out)
 

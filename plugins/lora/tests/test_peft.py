@@ -157,3 +157,18 @@ def test_after_training_the_exported_adapter_gives_axcores_logits_in_peft(import
     assert main(["lora", "export-peft", str(run), str(tmp_path / "exported")]) == 0
     loaded = peft.PeftModel.from_pretrained(_hf_model(config), tmp_path / "exported").eval()
     assert np.abs(_logits(loaded) - after).max() < TOLERANCE
+
+
+def test_init_adds_fresh_adapters_that_change_nothing(imported, tmp_path, capsys):
+    _, config, root = imported
+    run = tmp_path / "fresh"
+    assert main(["lora", "init", str(root / "base"), str(run), "--rank", "2", "--target", "q|v"]) == 0
+    loaded = load_model(run)
+    assert (loaded.experiment.settings["lora"].rank, loaded.experiment.settings["lora"].target) == (2, "q|v")
+    attention = loaded.params["decoder"]["layer0"]["self_attention"]["kernel_state"]
+    assert sorted(attention) == ["q_proj", "v_proj"] and attention["q_proj"]["lora_a"].shape == (64, 2)
+    np.testing.assert_array_equal(_axcore_logits(run), _axcore_logits(root / "base"))  # B = 0.
+    # A rank above a projection (k_proj: [64 -> 2 heads x 16 = 32]) is refused in one line, exit 2.
+    assert main(["lora", "init", str(root / "base"), str(tmp_path / "big"), "--rank", "48"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'lora.rank' (48) is larger than projection decoder.layer0.self_attention.k_proj" in err[0]
