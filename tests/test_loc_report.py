@@ -24,7 +24,7 @@ from axcore.tools.loc_report import (
 )
 
 README = pathlib.Path(__file__).parents[1] / "README.md"
-FEATURES = {"rope", "moe", "swiglu", "alibi", "remat"}
+FEATURES = {"rope", "moe", "swiglu", "alibi", "remat", "lora"}
 
 
 def test_body_lines_skip_docstrings_comments_and_blanks():

@@ -8,7 +8,7 @@ import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The hf plugin's tests, and the qwen and gemma families', are in tests/plugins/ (test_hf_*.py, test_<family>_convert.py).
-OWN_TESTS = ("alibi", "moe", "remat", "rope", "swiglu", "tokenizers")
+OWN_TESTS = ("alibi", "dpo", "lora", "moe", "remat", "rope", "swiglu", "tokenizers")
 
 
 def _collected(*paths):

@@ -95,16 +95,16 @@ def test_a_resolved_config_keeps_its_plugins(tmp_path):
 # Feature plugins enabled together, per built-in experiment: every combination that resolves
 # with each feature plugin in at least one (rope and alibi both fill the position-embedding
 # slot; remat needs a scanned stack; the llama experiments configure rope themselves).
-FEATURES = {"alibi", "moe", "remat", "rope", "swiglu"}
+FEATURES = {"alibi", "lora", "moe", "remat", "rope", "swiglu"}
 PLUGINS_DIR = pathlib.Path(__file__).parents[1] / "plugins"
-# Plugin directories that hold no model feature (they add tokenizers or converters, model families included, not
-# config transforms of the model).
-NOT_FEATURES = {"hf", "moe_families", "tokenizers", "qwen", "gemma"}
+# Plugin directories that hold no model feature (they add tokenizers, converters (model families included) or an
+# objective, not config transforms of the model).
+NOT_FEATURES = {"dpo", "hf", "moe_families", "tokenizers", "qwen", "gemma"}
 COMBINATIONS = {
-    "default": [["rope", "swiglu", "moe"], ["alibi", "moe", "swiglu"]],
-    "scan": [["rope", "swiglu", "moe", "remat"], ["alibi", "swiglu", "moe", "remat"]],
-    "llama2_7b": [["rope", "swiglu", "moe", "remat"]],
-    "llama3_70b": [["rope", "swiglu", "moe", "remat"]],
+    "default": [["rope", "swiglu", "moe"], ["alibi", "moe", "swiglu", "lora"]],
+    "scan": [["rope", "swiglu", "moe", "remat", "lora"], ["alibi", "swiglu", "moe", "remat"]],
+    "llama2_7b": [["rope", "swiglu", "moe", "remat", "lora"]],
+    "llama3_70b": [["rope", "swiglu", "moe", "remat", "lora"]],
 }
 
 

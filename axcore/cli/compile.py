@@ -93,13 +93,16 @@ def format_count(n: float) -> str:
 def parameter_counts(experiment: Experiment) -> dict[str, int]:
     """Parameter counts from the model's parameter specs (nothing allocated, nothing compiled).
 
-    Returns `total` (every leaf), `non_trainable` (kernel state) and `embedding`
+    Returns `total` (every leaf), `non_trainable` (kernel state and parameters frozen by
+    `trainer.learner.trainable`) and `embedding`
     (the input token table, counted only when the head is untied: a lookup, not a matmul).
     """
     from axcore.params import ParameterSpec
+    from axcore.trainer.learner import restrict_trainable
 
     model = experiment.config.model.instantiate(name="model", registries=experiment.registries)
-    specs = model.parameter_specs()
+    # Frozen by `trainer.learner.trainable` counts as non-trainable, as the TrainStep does.
+    specs = restrict_trainable(model.parameter_specs(), experiment.config.trainer.learner.trainable)
     leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, ParameterSpec))
     untied = isinstance(specs, dict) and "lm_head" in specs and "embedding" in specs
     table = jax.tree.leaves(specs["embedding"], is_leaf=lambda x: isinstance(x, ParameterSpec)) if untied else []

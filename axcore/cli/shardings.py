@@ -102,14 +102,14 @@ def sharding_report(experiment: Any) -> ShardingReport:
     Raises:
         ConfigError: a parameter or the batch does not divide its mesh axes (as the Trainer would).
     """
-    from axcore.trainer.learner import build_optimizer, trainable_mask  # Deferred: heavy imports.
+    from axcore.trainer.learner import build_optimizer, restrict_trainable, trainable_mask  # Deferred: heavy imports.
     from axcore.trainer.step import opt_state_shardings
 
     cfg = experiment.config
     mesh = report_mesh(experiment)
     rules = resolve_rules(cfg.mesh.axis_rules)
     model = cfg.model.instantiate(name="model", registries=experiment.registries)
-    specs = model.parameter_specs()
+    specs = restrict_trainable(model.parameter_specs(), cfg.trainer.learner.trainable)  # As the TrainStep does.
     is_spec = lambda x: isinstance(x, ParameterSpec)  # noqa: E731
     partition = parameter_specs_to_partition(specs, rules, mesh)
     is_partition = lambda x: isinstance(x, PartitionSpec)  # noqa: E731

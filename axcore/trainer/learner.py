@@ -23,6 +23,8 @@ must be used exactly once per step at its site.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Annotated, Any, NamedTuple
 
 import jax
@@ -52,10 +54,41 @@ class LearnerConfig(ConfigBase):
     weight_decay: Annotated[float, NonNegative] = 0.1
     # Clip gradients to this global norm; None disables clipping.
     max_grad_norm: Annotated[float, Positive] | None = 1.0
+    # Regex searched in each parameter's '/'-joined path (e.g. 'lora_' for adapters only): only matching
+    # parameters train, the others are frozen like trainable=False ones; None = every declared trainable one.
+    trainable: str | None = None
 
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, ParameterSpec)
+
+
+def restrict_trainable(specs: Any, pattern: str | None) -> Any:
+    """`specs` with every trainable parameter whose '/'-joined path `pattern` does not match (re.search)
+    declared `trainable=False`: frozen (no gradient, no optimizer state, no weight decay, never updated).
+
+    `learner.trainable` applies this to the model's specs; None returns `specs` itself.
+
+    Raises:
+        ConfigError: `pattern` is not a regex, or matches no trainable parameter.
+    """
+    if pattern is None:
+        return specs
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(f"'trainer.learner.trainable' ({pattern!r}) is not a regular expression: {e}.") from None
+    flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)
+    paths = ["/".join(str(getattr(k, "key", k)) for k in path) for path, _ in flat]
+    kept = [spec.trainable and regex.search(p) is not None for p, (_, spec) in zip(paths, flat, strict=True)]
+    if not any(kept):
+        shown = ", ".join([p for p, (_, s) in zip(paths, flat, strict=True) if s.trainable][:5])
+        raise ConfigError(
+            f"'trainer.learner.trainable' ({pattern!r}) matches no trainable parameter (e.g. {shown}); "
+            f"fix the pattern or set it to null to train every parameter."
+        )
+    frozen = [s if k or not s.trainable else dataclasses.replace(s, trainable=False) for k, (_, s) in zip(kept, flat)]
+    return jax.tree_util.tree_unflatten(treedef, frozen)
 
 
 def trainable_mask(specs: Any) -> Any:

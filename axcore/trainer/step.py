@@ -46,6 +46,7 @@ from axcore.trainer.learner import (
     apply_state_updates,
     build_optimizer,
     overwrite_with_gradient_mask,
+    restrict_trainable,
     trainable_mask,
 )
 from axcore.trainer.memory_check import check_compiled_memory
@@ -142,7 +143,8 @@ class TrainStep:
         tcfg = cfg.trainer
         # The loss the step differentiates (axcore.learning.objectives).
         self.objective: Objective = tcfg.objective.instantiate()
-        specs = self.model.parameter_specs()
+        # The model's specs, those learner.trainable does not match frozen.
+        specs = restrict_trainable(self.model.parameter_specs(), tcfg.learner.trainable)
         # Whether each parameter is trainable (a tree like the parameters, of Python bools).
         self.trainable = trainable_mask(specs)
         # Whether each (non-trainable) parameter's new value is the step's gradient of it.

@@ -10,7 +10,9 @@ import optax
 import pytest
 
 from axcore.config import from_dict
+from axcore.data import Split
 from axcore.errors import ConfigError, UnknownComponentError
+from axcore.experiment import load_experiment
 from axcore.layers import Linear
 from axcore.params import ParameterSpec, constant
 from axcore.trainer import (
@@ -28,6 +30,9 @@ from axcore.trainer import (
     learning_rate_schedule,
 )
 from axcore.trainer.learner import apply_state_updates
+from axcore.trainer.step import TrainStep
+
+import tiny
 
 
 def _learner(optimizer, schedule=None, **kwargs):
@@ -269,3 +274,28 @@ def test_state_updates_replace_only_the_named_non_trainable_leaves():
         apply_state_updates(params, {"a": {"nope": jnp.zeros(2)}}, trainable)
     with pytest.raises(StateUpdateError, match="shape"):
         apply_state_updates(params, {"a": {"kernel_state": {"q": {"amax": jnp.zeros(4)}}}}, trainable)
+
+
+def test_learner_trainable_trains_only_the_parameters_it_matches():
+    """`trainer.learner.trainable`: the train step of the tiny model moves and keeps moments for the matched leaves only."""
+    exp = load_experiment(None, [*tiny.TINY, "trainer.learner.trainable=^embedding/", "trainer.learner.weight_decay=0.5",
+                                 "trainer.learner.schedule.warmup_steps=0"])
+    step = TrainStep(exp)
+    state = step.init_state()
+    flat = lambda tree: {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(v)  # noqa: E731
+                         for p, v in jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]}
+    before = flat(state["params"])
+    embedding = before["embedding/weight"].size
+    # AdamW's two moments of the embedding table, nothing for the other parameters.
+    assert sum(x.size for x in jax.tree.leaves(state["opt_state"]) if x.ndim > 0) == 2 * embedding
+    state, _ = step.compiled_train_step()(state, next(exp.config.input.make_iterator(Split.TRAIN)))
+    after = flat(state["params"])
+    for name, value in before.items():
+        assert np.array_equal(after[name], value) != (name == "embedding/weight"), name
+
+
+def test_learner_trainable_matching_nothing_is_refused():
+    exp = load_experiment(None, [*tiny.TINY, "trainer.learner.trainable=no_such_parameter"])
+    with pytest.raises(ConfigError, match=r"'trainer\.learner\.trainable' \('no_such_parameter'\) matches no trainable "
+                                          r"parameter \(e\.g\. "):
+        TrainStep(exp)

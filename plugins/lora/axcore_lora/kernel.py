@@ -1,0 +1,175 @@
+"""LoRA's arithmetic: a `dot` kernel whose per-site state is the adapter pair (A, B).
+
+At a targeted site with weight w (x's trailing dims contracted with w's `contract` dims,
+`in` their product, `out` the product of w's other dims), PEFT's formula:
+
+    y = x . w + (dropout(x) @ A @ B) * (alpha / rank)
+
+with x's contracted dims flattened to `[..., in]`, `A` of shape `[in, rank]` (PEFT's
+`lora_A.weight` transposed) and `B` of shape `[rank, *out_dims]` (PEFT's `lora_B.weight`
+transposed, its output dims unflattened like w's). Initialised as PEFT does: A
+Kaiming-uniform with a = sqrt(5), i.e. uniform in `+-1/sqrt(in)`, and B = 0, so a fresh
+model computes exactly its base's logits (adding 0.0 changes no float).
+
+How it reaches the sites without a layer change: the plugin's config transform sets
+`model.op_extras: {dot: {lora: {...settings}}}`, which every layer inherits, so every
+`dot` problem carries the `lora` extra. The reference `xla` kernel declines problems
+with extras it does not know; `lora` (priority 60) takes the targeted sites and
+declares `lora_a` / `lora_b` as its state (`kernel_state/<site>/lora_a`, trainable),
+`lora_base` (priority 60) takes the other sites and computes the plain dot. Either
+replaces any other dot kernel (fp8, ...) on the model: LoRA runs in the reference
+arithmetic. The base weights are frozen by `trainer.learner.trainable` (set to
+`/lora_[ab]$`), so they get no gradient and no optimizer state.
+
+A site is targeted when `target` fully matches its short name (the last component of
+its path, without `_proj`: `q`, `k`, `v`, `o`, `gate`, `up`, `down`, `lm_head`) or its
+path below the model (e.g. `decoder.layer0.self_attention.q_proj`, a Linear's `.dot`
+dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Annotated, Any
+
+import jax
+import jax.numpy as jnp
+
+from axcore import AxcoreError, ConfigBase
+from axcore.config import NonNegative, Positive
+from axcore.kernels import DotProblem, Support, reference_dot, unknown_extras
+from axcore.module import current_context
+from axcore.params import ParameterSpec, constant, fold_in_name
+
+# Key of the settings in `op_extras.dot`.
+EXTRA = "lora"
+# The adapter pair's names under `kernel_state/<site>`.
+A, B = "lora_a", "lora_b"
+
+
+class LoraConfigError(AxcoreError):
+    """A LoRA setting does not fit the model (names the field and what to do)."""
+
+
+class LoraSettings(ConfigBase):
+    """Settings of the lora plugin (the experiment's `lora:` section)."""
+
+    # Rank of each adapter (columns of A, rows of B); at most the projection's smaller side.
+    rank: Annotated[int, Positive] = 8
+    # Scale numerator: the adapter's product is multiplied by alpha / rank (PEFT's lora_alpha).
+    alpha: Annotated[float, Positive] = 16.0
+    # Dropout rate on the adapter's input in training (PEFT's lora_dropout); 0 disables it.
+    dropout: Annotated[float, NonNegative] = 0.0
+    # Regex fully matching a site's short name (q, k, v, o, gate, up, down, lm_head) or its path below the model.
+    target: str = "q|k|v|o|gate|up|down"
+
+
+def site_path(site: str) -> str:
+    """A dot problem's site below the model: `model.decoder.layer0.mlp.up_proj.dot` -> `decoder.layer0.mlp.up_proj`."""
+    parts = site.split(".")
+    if parts and parts[0] == "model":
+        parts = parts[1:]
+    if len(parts) > 1 and parts[-1] == "dot":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def short_name(site: str) -> str:
+    """The last component of `site_path(site)` without a `_proj` suffix (`q`, `gate`, `lm_head`)."""
+    last = site_path(site).split(".")[-1]
+    return last.removesuffix("_proj")
+
+
+def is_target(target: str, site: str) -> bool:
+    """Whether regex `target` fully matches the site's short name or its path below the model."""
+    return re.fullmatch(target, short_name(site)) is not None or re.fullmatch(target, site_path(site)) is not None
+
+
+def lora_sites(sites: list[str], target: str) -> list[str]:
+    """The sites of `sites` (dot problems' `site`) that `target` selects."""
+    return [s for s in sites if is_target(target, s)]
+
+
+@dataclasses.dataclass(frozen=True)
+class KaimingUniform:
+    """Initializer of A: uniform in +-1/sqrt(fan_in), PEFT's `kaiming_uniform_(a=sqrt(5))` (hashable)."""
+
+    fan_in: int
+
+    def __call__(self, key, shape, dtype):
+        bound = 1.0 / math.sqrt(self.fan_in)
+        return jax.random.uniform(key, shape, jnp.float32, -bound, bound).astype(dtype)
+
+
+def _settings(problem: DotProblem) -> dict[str, Any] | None:
+    return problem.extras.get(EXTRA)
+
+
+class LoraDot:
+    """The `dot` of a targeted site plus its adapter (module docstring); state `lora_a`, `lora_b`."""
+
+    name = "lora"
+    priority = 60
+
+    def is_supported(self, problem: DotProblem) -> Support:
+        settings = _settings(problem)
+        if settings is None:
+            return Support(False, "no lora extra (the lora plugin is not enabled)")
+        if not is_target(settings["target"], problem.site):
+            return Support(False, f"site {problem.site} is not a lora target")
+        return unknown_extras(problem, [EXTRA])
+
+    def state_specs(self, problem: DotProblem) -> dict[str, ParameterSpec]:
+        settings = _settings(problem)
+        rank, out = int(settings["rank"]), math.prod(problem.out_dims)
+        if rank > min(problem.in_dim, out):
+            raise LoraConfigError(
+                f"'lora.rank' ({rank}) is larger than projection {site_path(problem.site)} "
+                f"([{problem.in_dim} -> {out}]); use a rank of at most {min(problem.in_dim, out)}."
+            )
+        axes = problem.w_axes
+        in_axis = axes[problem.contract[0]] if axes is not None and len(problem.contract) == 1 else None
+        out_axes = tuple(axes[i] for i in range(len(problem.w_shape)) if i not in problem.contract) if axes else None
+        return {
+            A: ParameterSpec((problem.in_dim, rank), problem.w_dtype, KaimingUniform(problem.in_dim), (in_axis, None)),
+            B: ParameterSpec(
+                (rank, *problem.out_dims), problem.w_dtype, constant(0.0),
+                None if out_axes is None else (None, *out_axes),
+            ),
+        }
+
+    def __call__(self, problem: DotProblem, x: jax.Array, w: jax.Array, *, state: dict) -> tuple[jax.Array, None]:
+        settings = _settings(problem)
+        y = reference_dot(problem, x, w)
+        k = len(problem.contract)
+        lead = x.shape[: x.ndim - k]
+        h = x.reshape(*lead, problem.in_dim).astype(problem.compute_dtype)
+        rate = float(settings["dropout"])
+        ctx = current_context()
+        if rate > 0 and ctx is not None and ctx.is_training and ctx.prng_key is not None:
+            keep = jax.random.bernoulli(fold_in_name(ctx.prng_key, f"lora_dropout.{problem.site}"), 1.0 - rate, h.shape)
+            h = jnp.where(keep, h / (1.0 - rate), 0).astype(h.dtype)
+        a = state[A].astype(problem.compute_dtype)
+        b = state[B].astype(problem.compute_dtype).reshape(a.shape[1], -1)
+        delta = (h @ a) @ b * (float(settings["alpha"]) / a.shape[1])
+        return y + delta.reshape(*lead, *problem.out_dims).astype(y.dtype), None
+
+
+class LoraBaseDot:
+    """The plain `dot` of a site the lora target does not select (the reference declines the lora extra)."""
+
+    name = "lora_base"
+    priority = 60
+
+    def is_supported(self, problem: DotProblem) -> Support:
+        settings = _settings(problem)
+        if settings is None:
+            return Support(False, "no lora extra (the lora plugin is not enabled)")
+        if is_target(settings["target"], problem.site):
+            return Support(False, f"site {problem.site} is a lora target")
+        return unknown_extras(problem, [EXTRA])
+
+    def __call__(self, problem: DotProblem, x: jax.Array, w: jax.Array) -> jax.Array:
+        return reference_dot(problem, x, w)

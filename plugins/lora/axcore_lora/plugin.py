@@ -1,0 +1,78 @@
+"""The lora plugin: `plugins: [lora]` puts low-rank adapters on the targeted `dot` sites and freezes the rest.
+
+The transform (1) sets `model.op_extras.dot.lora` to the settings, so the plugin's `lora`
+kernel takes the targeted sites (its state: the adapters) and `lora_base` the others
+(`axcore_lora.kernel`), and (2) sets `trainer.learner.trainable` to `/lora_[ab]$`, so
+only the adapters train: the base weights get no gradient and no optimizer state. It
+builds the model's parameter shapes once (nothing allocated) to refuse a target that
+selects no site; a rank larger than a targeted projection is refused when the
+experiment is validated. Both in one line naming the field.
+
+The command `axcore lora` exports and imports PEFT adapter directories and writes the
+merged model (`axcore_lora.peft`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import axcore
+from axcore.config import replace
+from axcore.kernels import DOT, op_environment, record_kernel_decisions
+from axcore.trainer import LearnerConfig
+
+from axcore_lora import commands
+from axcore_lora.kernel import EXTRA, LoraBaseDot, LoraConfigError, LoraDot, LoraSettings, lora_sites, short_name
+
+# `trainer.learner.trainable` under LoRA: the adapters only.
+ADAPTERS = r"/lora_[ab]$"
+
+
+@axcore.hookimpl
+def axcore_settings_config():
+    return LoraSettings()
+
+
+@axcore.hookimpl
+def axcore_register_kernels(register):
+    register(DOT, LoraDot())
+    register(DOT, LoraBaseDot())
+
+
+@axcore.hookimpl
+def axcore_register_commands(register):
+    register("lora", commands.run, add_arguments=commands.add_arguments,
+             help="LoRA adapters: export/import PEFT adapter directories, write the merged model")
+
+
+def dot_sites(config, registries) -> list[str]:
+    """Every `dot` call site of the config's model (builds its parameter shapes; allocates nothing)."""
+    instance = config.mesh.instance_type
+    platform = instance.split("-")[0] if instance else "cpu"
+    with op_environment(None, config.mesh.axis_rules, platform=platform), record_kernel_decisions() as decisions:
+        config.model.instantiate(name="model", registries=registries).parameter_specs()
+    return [d.site for d in decisions if d.op == DOT.name]
+
+
+@axcore.hookimpl
+def axcore_transform_config(config, settings, registries):
+    try:
+        re.compile(settings.target)
+    except re.error as e:
+        raise LoraConfigError(f"'lora.target' ({settings.target!r}) is not a regular expression: {e}.") from None
+    sites = dot_sites(config, registries)
+    if not lora_sites(sites, settings.target):
+        names = sorted({short_name(s) for s in sites})
+        raise LoraConfigError(
+            f"'lora.target' ({settings.target!r}) matches no projection of the model; its dot sites are "
+            f"{', '.join(names)} (or a path such as {sites[0].removeprefix('model.') if sites else '?'})."
+        )
+    lora = {"rank": settings.rank, "alpha": settings.alpha, "dropout": settings.dropout, "target": settings.target}
+
+    def add_extra(_path, model):
+        extras = dict(model.op_extras or {})
+        extras["dot"] = {**(extras.get("dot") or {}), EXTRA: lora}
+        return model.set(op_extras=extras)
+
+    config = replace(config, lambda path, _node: path == "model", add_extra)
+    return replace(config, LearnerConfig, lambda _, c: c.set(trainable=ADAPTERS))
