@@ -30,7 +30,7 @@ from typing import Any
 
 from axcore.checkpoint.interop import ConversionError
 
-from axcore_hf.llama import LAYER_TENSORS, LlamaConverter, _Fields, first_layer, hf_rope_scaling
+from axcore_hf.llama import LAYER_TENSORS, QK_NORM_TENSORS, LlamaConverter, _Fields, first_layer, hf_rope_scaling
 from axcore_hf.patterns import FULL, SLIDING, check_layer_types, decoder_pattern, hf_layer_types, pattern_of
 
 # config.json fields read here (hidden from LlamaConverter, which reads or refuses some of them).
@@ -167,8 +167,7 @@ class GemmaConverter(LlamaConverter):
         table["pre_feedforward_layernorm.weight"] = (("ffn_norm", "scale"), "copy")
         table["post_feedforward_layernorm.weight"] = (("post_ffn_norm", "scale"), "copy")
         if self.gemma3:
-            table["self_attn.q_norm.weight"] = (("self_attention", "q_norm", "scale"), "copy")
-            table["self_attn.k_norm.weight"] = (("self_attention", "k_norm", "scale"), "copy")
+            table.update(QK_NORM_TENSORS)
         return table
 
 

@@ -49,6 +49,11 @@ LAYER_TENSORS = {
     "mlp.up_proj.weight": (("feed_forward", "up_proj", "weight"), "linear"),
     "mlp.down_proj.weight": (("feed_forward", "down_proj", "weight"), "linear"),
 }
+# QK-norm (the core's `q_norm` / `k_norm` slots), for families that have it: one RMSNorm scale per head dim.
+QK_NORM_TENSORS = {
+    "self_attn.q_norm.weight": (("self_attention", "q_norm", "scale"), "copy"),
+    "self_attn.k_norm.weight": (("self_attention", "k_norm", "scale"), "copy"),
+}
 # Tensors outside the layers: HF name -> (axcore path, layout kind).
 GLOBAL_TENSORS = {
     "model.embed_tokens.weight": (("embedding", "weight"), "copy"),
@@ -100,6 +105,19 @@ def _set(tree: dict, path: tuple[str, ...], value: Any) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
     tree[path[-1]] = value
+
+
+def unplaced_tensors(tensors: Mapping[str, Any], used: set[str], tied: bool) -> str:
+    """The checkpoint tensors an import left unused, listed for an error ('' when none).
+
+    RoPE's stored `inv_freq` buffers are ignored, and so is `lm_head.weight` of a `tied`
+    model (tied checkpoints sometimes store the head too; it equals the table). At most
+    five names are listed, then ' ...'.
+    """
+    extra = sorted(set(tensors) - used - {n for n in tensors if n.endswith("rotary_emb.inv_freq")})
+    if tied and "lm_head.weight" in extra:
+        extra.remove("lm_head.weight")
+    return f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}"
 
 
 def layer_slots(decoder: Mapping, num_layers: int) -> list[tuple[tuple[str, ...], int | None]]:
@@ -277,12 +295,10 @@ class LlamaConverter:
                     stacked = np.empty(full, np.float32)
                     _set(params, prefix + path, stacked)
                 stacked[index] = take(f"model.layers.{i}.{suffix}", kind, full[1:])
-        extra = sorted(set(tensors) - used - {n for n in tensors if n.endswith("rotary_emb.inv_freq")})
-        if "lm_head.weight" in extra and "lm_head" not in shapes:
-            extra.remove("lm_head.weight")  # Tied checkpoints sometimes store the head too; it equals the table.
+        extra = unplaced_tensors(tensors, used, tied="lm_head" not in shapes)
         if extra:
             raise ConversionError(
-                f"{where}: tensors {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''} have no place in "
+                f"{where}: tensors {extra} have no place in "
                 f"the {self.architecture} model config.json describes (e.g. biases); they cannot be imported."
             )
         return params

@@ -51,23 +51,20 @@ from axcore.checkpoint.interop import ConversionError
 from axcore_hf.llama import (
     GLOBAL_TENSORS,
     LAYER_TENSORS,
+    QK_NORM_TENSORS,
     LlamaConverter,
     first_layer,
     from_hf,
     hf_shape,
     layer_slots,
     to_hf,
+    unplaced_tensors,
 )
 
 # axcore names of the three SwiGLU projections of an expert, in HF's (gate, up, down) order.
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Llama's per-layer tensors that are not its dense MLP (attention and the two norms).
 ATTENTION_TENSORS = {name: entry for name, entry in LAYER_TENSORS.items() if not name.startswith("mlp.")}
-# Qwen3-MoE's QK-norm: one RMSNorm scale per head dim for all query / key heads.
-QK_NORM_TENSORS = {
-    "self_attn.q_norm.weight": (("self_attention", "q_norm", "scale"), "copy"),
-    "self_attn.k_norm.weight": (("self_attention", "k_norm", "scale"), "copy"),
-}
 
 
 # The two names transformers gives the number of experts (its attribute_map makes them one field).
@@ -300,12 +297,10 @@ class MoEConverter:
             for suffix, (path, kind, expert) in table.items():
                 rows = tuple(r for r in (index, expert) if r is not None)
                 put(prefix + path, rows, f"model.layers.{i}.{suffix}", kind)
-        extra = sorted(set(tensors) - used - {n for n in tensors if n.endswith("rotary_emb.inv_freq")})
-        if "lm_head.weight" in extra and "lm_head" not in shapes:
-            extra.remove("lm_head.weight")  # Tied checkpoints sometimes store the head too; it equals the table.
+        extra = unplaced_tensors(tensors, used, tied="lm_head" not in shapes)
         if extra:
             raise ConversionError(
-                f"{where}: tensors {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''} have no place in the "
+                f"{where}: tensors {extra} have no place in the "
                 f"{self.family.architecture} config.json describes (per-expert tensors are expected); they cannot "
                 f"be imported."
             )

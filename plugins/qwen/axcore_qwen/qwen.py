@@ -31,7 +31,7 @@ from typing import Any
 
 from axcore.checkpoint.interop import ConversionError
 
-from axcore_hf.llama import LAYER_TENSORS, LlamaConverter, _Fields, first_layer
+from axcore_hf.llama import LAYER_TENSORS, QK_NORM_TENSORS, LlamaConverter, _Fields, first_layer
 from axcore_hf.patterns import FULL, SLIDING, check_layer_types, decoder_pattern, hf_layer_types
 
 # config.json fields this module reads itself (hidden from LlamaConverter, which refuses some of them).
@@ -116,8 +116,7 @@ class QwenConverter(LlamaConverter):
         if output_bias:
             table["self_attn.o_proj.bias"] = (("self_attention", "bo"), "copy")
         if self.qk_norm:
-            table["self_attn.q_norm.weight"] = (("self_attention", "q_norm", "scale"), "copy")
-            table["self_attn.k_norm.weight"] = (("self_attention", "k_norm", "scale"), "copy")
+            table.update(QK_NORM_TENSORS)
         return table
 
 
