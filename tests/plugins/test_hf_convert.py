@@ -347,3 +347,31 @@ def test_plugins_register_model_converters_by_model_type():
 def test_converter_errors_name_the_file_and_field():
     with pytest.raises(ConversionError, match=r"x/config.json: 'num_attention_heads' is missing"):
         LlamaConverter().experiment({"hidden_size": 8}, "x/config.json")
+
+
+def test_unplaced_tensors_lists_what_an_import_left_unused():
+    from axcore_hf.llama import unplaced_tensors
+
+    tensors = dict.fromkeys(["a", "b", "lm_head.weight", "model.layers.0.self_attn.rotary_emb.inv_freq"])
+    assert unplaced_tensors(tensors, {"a"}, tied=True) == "b"  # RoPE buffers and a tied head are not lost weights.
+    assert unplaced_tensors(tensors, {"a"}, tied=False) == "b, lm_head.weight"
+    assert unplaced_tensors(tensors, {"a", "b"}, tied=True) == ""
+    many = dict.fromkeys(f"t{i}" for i in range(7))
+    assert unplaced_tensors(many, set(), tied=False) == "t0, t1, t2, t3, t4 ..."
+
+
+def test_a_checkpoint_tensor_with_no_place_is_refused_in_one_line(llama3, tmp_path, capsys):
+    from safetensors.numpy import save_file
+
+    _, hf_dir, _ = llama3
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "config.json").write_text((hf_dir / "config.json").read_text())
+    tensors = {k: np.asarray(v, np.float32) for k, v in _tensors(hf_dir).items()}
+    tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(tensors["model.layers.0.self_attn.q_proj.weight"].shape[0],
+                                                                np.float32)
+    save_file(tensors, str(extra / "model.safetensors"))
+    assert main(["convert", "hf-to-axcore", str(extra), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tensors model.layers.0.self_attn.q_proj.bias have no place" in err, err
+    assert not (tmp_path / "out").exists()
