@@ -26,6 +26,7 @@ import dataclasses
 import glob
 import io
 import json
+import os
 import pathlib
 import shutil
 import statistics
@@ -85,6 +86,28 @@ def host_events(trace_dir: str, min_ms: float, top: int) -> list[dict[str, Any]]
     return [{"thread": t, "event": e, "total_ms": round(ms, 2), "count": n} for (t, e), (ms, n) in ranked]
 
 
+def driver_calls(trace_dir: str) -> dict[str, dict[str, float]]:
+    """CUDA driver calls of the traced step calls, every one however short: {name: {count, total_ms}}.
+
+    How many launches one step makes (`cuLaunchKernel*`, `cuGraphLaunch`) and how long the host
+    sat in them tells whether a call blocks because the driver's launch queue is full.
+    """
+    from jax.profiler import ProfileData
+
+    files = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    calls: dict[str, dict[str, float]] = {}
+    for plane in ProfileData.from_file(files[0]).planes if files else ():
+        if not plane.name.startswith("/host"):
+            continue
+        for line in plane.lines:
+            for event in line.events:
+                if event.name.startswith("cu"):
+                    entry = calls.setdefault(event.name, {"count": 0, "total_ms": 0.0})
+                    entry["count"] += 1
+                    entry["total_ms"] = round(entry["total_ms"] + event.duration_ns / 1e6, 3)
+    return dict(sorted(calls.items(), key=lambda kv: -kv[1]["total_ms"]))
+
+
 def measure(args: argparse.Namespace, shape: LlamaShape) -> dict[str, Any]:
     from axcore.data import device_loader
     from axcore.experiment import load_experiment
@@ -125,6 +148,7 @@ def measure(args: argparse.Namespace, shape: LlamaShape) -> dict[str, Any]:
             lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
             records = [json.loads(line) for line in lines]
         events = host_events(trace_dir, args.min_event_ms, args.top)
+        driver = driver_calls(trace_dir)
     finally:
         device_loader.DeviceLoader.__next__ = original_next
         shutil.rmtree(trace_dir, ignore_errors=True)
@@ -146,6 +170,9 @@ def measure(args: argparse.Namespace, shape: LlamaShape) -> dict[str, Any]:
         "loader_wait_seconds": [round(x, 5) for x in waits],
         "trainer_step_time_median_s": statistics.median(step_times),
         "host_events": events,
+        "traced_calls": args.trace_calls,
+        "driver_calls": driver,
+        "cuda_scale_launch_queues": os.environ.get("CUDA_SCALE_LAUNCH_QUEUES"),
     }
 
 
@@ -164,6 +191,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     for e in result["host_events"]:
         print(f"  {e['total_ms']:9.2f} ms  x{e['count']:<4} {e['thread'][:40]:40s} {e['event'][:90]}")
+    per_call = max(result["traced_calls"], 1)
+    for name, e in list(result["driver_calls"].items())[:12]:
+        print(f"  driver {name[:40]:40s} {e['count'] / per_call:8.1f} per step call, {e['total_ms'] / per_call:8.2f} ms")
     return result
 
 

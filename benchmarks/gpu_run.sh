@@ -38,7 +38,7 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: runs within the deadline, logs, 
   log "== $name (up to ${budget}s, $(date -u +%T))"
   timeout --kill-after=5 "$budget" "$@" >>"$OUT/log.txt" 2>&1
   log "== $name rc=$? after $((SECONDS))s"
-  cp -f benchmarks/results/gpu_*.json "$RESULTS"/ 2>/dev/null
+  cp -f benchmarks/results/gpu_*.json benchmarks/results/gpu_hlo_*.txt.gz "$RESULTS"/ 2>/dev/null
   tar -czf "$OUT/results.tgz" -C "$RESULTS" . 2>/dev/null
 }
 
@@ -55,6 +55,8 @@ for s in "$@"; do
     dispatch) stage dispatch 100 python3 -m benchmarks.gpu_dispatch ${DISPATCH_ARGS:-} ;;
     dispatch_async) stage dispatch_async 100 env XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async \
         python3 -m benchmarks.gpu_dispatch --tag cuda_async ${DISPATCH_ARGS:-} ;;
+    dispatch_q4) stage dispatch_q4 100 env CUDA_SCALE_LAUNCH_QUEUES=4x \
+        python3 -m benchmarks.gpu_dispatch --tag launch_queues_4x ${DISPATCH_ARGS:-} ;;
     dispatch_nocb) stage dispatch_nocb 100 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
         python3 -m benchmarks.gpu_dispatch --tag no_command_buffer ${DISPATCH_ARGS:-} ;;
     probes) stage probes 120 python3 -m benchmarks.gpu_probes ;;

@@ -241,7 +241,9 @@ def summary(args, shape: LlamaShape, variants: dict, times: dict, failed: dict, 
     results = {}
     for name, v in variants.items():
         step = summarize(times[name])
-        hlo = hlo_matmuls(v.compiled.as_text())
+        text = v.compiled.as_text()
+        hlo = hlo_matmuls(text)
+        save_program(args, name, text)
         host = sorted(v.host_call_s[args.warmup:])
         results[name] = {
             "overrides": _variant(name)[:2],
@@ -255,6 +257,7 @@ def summary(args, shape: LlamaShape, variants: dict, times: dict, failed: dict, 
             "host_call_over_step": host[len(host) // 2] / step["median"] if host else None,
             "matmuls": hlo.get("matmuls"),
             "custom_calls": hlo.get("custom_calls"),
+            "program": program_shape(text),
         }
     data = {
         "smoke": args.smoke,
@@ -271,6 +274,32 @@ def summary(args, shape: LlamaShape, variants: dict, times: dict, failed: dict, 
         "memory": memory,
     }
     return data
+
+
+def program_shape(text: str) -> dict[str, int]:
+    """What the host launches per step, from the compiled HLO: the entry computation's
+    instructions (each a thunk: a kernel, a library call or a command buffer) by kind."""
+    import re
+
+    entry = text[text.find("\nENTRY "):]
+    body = entry[:entry.find("\n}")]
+    kinds = re.findall(r"^\s+\S+ = \S+ (\w[\w-]*)\(", body, re.M)
+    counts: dict[str, int] = {}
+    for kind in kinds:
+        counts[kind] = counts.get(kind, 0) + 1
+    counts["command_buffer_calls"] = len(re.findall(r"calls=%?command_buffer", body))
+    counts["while"] = len(re.findall(r" while\(", text))
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def save_program(args: argparse.Namespace, name: str, text: str) -> None:
+    """The compiled HLO of contender `name`, gzipped beside the results (gpu_hlo_<name>.txt.gz)."""
+    import gzip
+
+    folder = args.results_dir or pathlib.Path(__file__).resolve().parent / "results"
+    folder.mkdir(parents=True, exist_ok=True)
+    suffix = f"_{args.tag}" if args.tag else ""
+    (folder / f"gpu_hlo_{name}{suffix}.txt.gz").write_bytes(gzip.compress(text.encode()))
 
 
 def table(data: dict[str, Any]) -> str:

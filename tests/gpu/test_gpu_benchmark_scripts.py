@@ -40,6 +40,10 @@ def test_gpu_variants_smoke(tmp_path):
     assert set(data["contenders"]) == {"bf16", "packed_xla"} and not data["failed"]
     assert data["contenders"]["packed_xla"]["packed"] and set(data["contenders"]["packed_xla"]["kernels"]["attention"]) == {"xla"}
     assert len(data["loss_curves"]["bf16"]) == 3
+    # What the host launches per step: the entry computation's instructions by kind, and the program kept.
+    program = data["contenders"]["bf16"]["program"]
+    assert program.get("fusion", 0) > 0 and program["while"] == 0, program
+    assert (tmp_path / "gpu_hlo_bf16.txt.gz").stat().st_size > 0
 
 
 def test_gpu_attention_smoke(tmp_path):
@@ -55,6 +59,7 @@ def test_gpu_dispatch_smoke(tmp_path):
     data = json.loads((tmp_path / "gpu_dispatch.json").read_text())
     assert len(data["host_seconds_per_call"]) == data["steps"] - 1 and len(data["loader_wait_seconds"]) == data["steps"]
     assert 0.0 < data["dispatch_span_share_median"] <= 1.0
+    assert isinstance(data["driver_calls"], dict) and data["traced_calls"] == 2  # No CUDA calls on a CPU.
 
 
 def test_gpu_norm_smoke(tmp_path):
