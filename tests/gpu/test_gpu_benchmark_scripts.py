@@ -75,6 +75,13 @@ def test_gpu_probes_smoke(tmp_path):
     forms = {"bf16", "qdq_f32acc", "qdq_bf16out", "qdq_f32", "direct", "direct_e5m2"}
     assert set(data["fp8"]) == forms | {f"{f}/no_triton" for f in forms}
     assert data["fp8"]["bf16"]["rel_error_vs_bf16"] == 0.0
-    # e4m3 keeps 3 mantissa bits: a relative error of a few percent, never zero and never O(1).
-    assert all(0.005 < data["fp8"][f]["rel_error_vs_bf16"] < 0.1 for f in forms - {"bf16"})
+    # e4m3 keeps 3 mantissa bits: a relative error of a few percent, never zero and never O(1),
+    # for every form whose dot takes fp8 operands (the fp8 kernel's `direct` form) and for every
+    # form with Triton GEMMs off. With them on, a GPU compiles the dequantize-then-dot forms into a
+    # bf16 GEMM and drops the round trip (0.0049 on an H200, 2026-11-26): the finding this probe
+    # exists for, so those two are only bounded above.
+    dropped = {"qdq_f32acc", "qdq_bf16out"} if data["device_kind"] != "cpu" else set()
+    fp8 = [f for f in data["fp8"] if f.split("/")[0] != "bf16" and f not in dropped]
+    assert all(0.005 < data["fp8"][f]["rel_error_vs_bf16"] < 0.1 for f in fp8), data["fp8"]
+    assert all(data["fp8"][f]["rel_error_vs_bf16"] < 0.1 for f in dropped)
     assert set(data["host"]) == {"matmuls", "elementwise"}
