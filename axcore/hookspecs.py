@@ -29,6 +29,7 @@ from axcore.plugin.hookspecs import (
     axcore_register_position_embeddings,
     axcore_register_schedules,
     axcore_register_tokenizers,
+    axcore_runtime_environment,
     axcore_settings_config,
     axcore_transform_config,
     axcore_xla_flags,
@@ -58,6 +59,7 @@ __all__ = [
     "axcore_probe_instance_type",
     "axcore_xla_flags",
     "axcore_flags_environment",
+    "axcore_runtime_environment",
     "axcore_settings_config",
     "axcore_transform_config",
 ]

@@ -215,3 +215,45 @@ def test_other_compilers_get_bare_switches_for_empty_values():
     environ = {}
     apply_xla_flags(flags, environ, "NEURON_CC_FLAGS")
     assert environ == {"NEURON_CC_FLAGS": "--model-type=transformer --enable-switch"}
+
+
+class EnvironmentPlugin:
+    """Asks for `values` in the runtime's environment on gpu instance types."""
+
+    def __init__(self, values):
+        self.values = values
+
+    @axcore.hookimpl
+    def axcore_runtime_environment(self, instance_type):
+        return self.values if instance_type.startswith("gpu") else None
+
+
+def test_runtime_environment_is_set_before_the_backend_on_its_platform_only(monkeypatch):
+    objects = {"env": EnvironmentPlugin({"AXCORE_TEST_QUEUE": "4x", "AXCORE_TEST_KEPT": 1})}
+    overrides = ["plugins=[env]", "mesh.instance_type=gpu-h100-8"]
+    monkeypatch.setenv("AXCORE_TEST_KEPT", "user")
+    monkeypatch.delenv("AXCORE_TEST_QUEUE", raising=False)
+    monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: "cpu-1")
+    load_experiment("default", overrides, objects=objects, apply_xla_flags=True)
+    assert "AXCORE_TEST_QUEUE" not in os.environ  # Probed as another platform: nothing set.
+    monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: "gpu-h100-8")
+    load_experiment("default", overrides, objects=objects, apply_xla_flags=False)
+    assert "AXCORE_TEST_QUEUE" not in os.environ  # Only when asked to apply (axcore train, compile).
+    load_experiment("default", overrides, objects=objects, apply_xla_flags=True)
+    assert os.environ["AXCORE_TEST_QUEUE"] == "4x"
+    assert os.environ["AXCORE_TEST_KEPT"] == "user"  # The user's own value is never changed.
+
+
+def test_runtime_environment_conflicts_and_bad_names_name_the_plugin():
+    manager = axcore.create_plugin_manager(
+        ["one", "two"], objects={"one": EnvironmentPlugin({"Q": "4x"}), "two": EnvironmentPlugin({"Q": "2x"})}
+    )
+    with pytest.raises(PluginConflictError, match="Plugins 'one' and 'two' set environment variable Q to '4x' and '2x'"):
+        manager.runtime_environment("gpu-h100-1")
+    assert manager.runtime_environment("cpu-1") == {}
+    bad = axcore.create_plugin_manager(["bad"], objects={"bad": EnvironmentPlugin({"NOT A NAME": "1"})})
+    with pytest.raises(ConfigError, match="environment variable NOT A NAME of plugin 'bad'"):
+        bad.runtime_environment("gpu-h100-1")
+    listed = axcore.create_plugin_manager(["bad"], objects={"bad": EnvironmentPlugin(["Q"])})
+    with pytest.raises(PluginLoadError, match="Plugin 'bad' .*axcore_runtime_environment returned list"):
+        listed.runtime_environment("gpu-h100-1")

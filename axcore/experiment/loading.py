@@ -60,7 +60,12 @@ from axcore.kernels import (
 from axcore.module import deep_merge, functional
 from axcore.platform.distributed import DistributedSettings, initialize_distributed
 from axcore.platform.mesh import instance_platform
-from axcore.platform.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
+from axcore.platform.xla_flags import (
+    apply_runtime_environment,
+    apply_xla_flags,
+    format_xla_flags,
+    resolve_xla_flags,
+)
 from axcore.plugin.loading import AxcorePluginManager, PluginRequest, create_plugin_manager, probe_instance_type
 
 __all__ = [
@@ -205,8 +210,9 @@ def load_experiment(
     7. `_transform_config`: size checks, then the plugins' config transforms in
        `plugins:` order (not for a resolved config).
     8. `_apply_flags_and_join_job`: with the instance type known, resolve and set XLA
-       flags, then join the job (flags first: the peer watch started after joining
-       starts the backend, which reads the flags only when it starts).
+       flags and the plugins' runtime environment (`axcore_runtime_environment`), then
+       join the job (flags first: the peer watch started after joining starts the
+       backend, which reads the flags and the environment only when it starts).
     9. `_lay_out_mesh`: the mesh rule and its modifiers (a resolved config keeps its own).
     10. `_list_late_flags`: with the instance type known only now (detected from the
        started backend), resolve the flags for the record; applying them warns.
@@ -369,8 +375,10 @@ def _apply_flags_and_join_job(s: _Loading) -> None:
     if s.resolved is None:
         s.config = resolve_experiment_xla_flags(s.config, s.manager, s.known_type)
     s.flags_variable = s.manager.flags_environment(s.known_type)
+    environment = s.manager.runtime_environment(s.known_type)  # Asked always: a conflict is an error either way.
     if s.apply_xla_flags:
         _apply_flags(s.config.xla_flags, s.known_type, s.probed, s.flags_variable)
+        _apply_environment(environment, s.known_type, s.probed)
     initialize_distributed(s.distributed)
 
 
@@ -431,6 +439,18 @@ def resolve_experiment_xla_flags(
     new = config.clone()
     new.xla_flags = resolve_xla_flags(manager.xla_flags(instance_type), config.xla_flags or {})
     return new
+
+
+def _apply_environment(values: Mapping[str, str], instance_type: str, probed: str | None) -> None:
+    """Sets the plugins' runtime environment if this machine is of `instance_type`'s platform.
+
+    Only where the machine was probed before JAX started: known later (`_list_late_flags`),
+    the runtime has read its environment already, so nothing is set there.
+    """
+    if values and instance_platform(probed) == instance_platform(instance_type):
+        added = apply_runtime_environment(values)
+        if added:
+            logger.info("Runtime environment set for %s: %s", instance_type, " ".join(f"{k}={v}" for k, v in added.items()))
 
 
 def _apply_flags(flags: Mapping[str, str], instance_type: str, probed: str | None, variable: str) -> None:

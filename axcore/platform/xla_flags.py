@@ -115,7 +115,21 @@ def apply_xla_flags(
     return added
 
 
+def apply_runtime_environment(
+    values: Mapping[str, str], environ: MutableMapping[str, str] = os.environ
+) -> dict[str, str]:
+    """Sets each of `values` (`axcore_runtime_environment` answers) that `environ` lacks.
+
+    Must run before JAX's backend starts (the CUDA driver, say, reads its variables once).
+    Returns the variables that were set; one already in the environment is never changed.
+    """
+    added = {name: value for name, value in values.items() if name not in environ}
+    environ.update(added)
+    return added
+
+
 __all__ = [
+    "apply_runtime_environment",
     "apply_xla_flags",
     "check_flag_name",
     "flag_value",

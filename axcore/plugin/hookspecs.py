@@ -81,7 +81,7 @@ __all__ += ["RegisterCommand", "RegisterComponent", "RegisterKernel", "RegisterN
 
 # Version of the plugin API these specs define (see "Evolution policy" above); a plugin
 # requires one with `AXCORE_PLUGIN_API = ">=1.0"`.
-PLUGIN_API_VERSION = "1.2"
+PLUGIN_API_VERSION = "1.3"
 
 KERNELS = Family("kernels", "kernel", registry_class=KernelRegistry)
 
@@ -459,6 +459,22 @@ def axcore_flags_environment(instance_type: str) -> str | None:
     when the experiment's flags are resolved; two plugins naming different variables
     for one instance type is an error naming both. `axcore config` shows a variable
     other than XLA_FLAGS as a `# xla_flags go to NAME` line.
+    """
+
+
+@hookspec
+def axcore_runtime_environment(instance_type: str) -> dict[str, str] | None:
+    """Environment variables the accelerator runtime reads once, when it starts (API 1.3).
+
+    Args:
+        instance_type: the run's instance type (e.g. `gpu-h100-8`).
+
+    Returns `{NAME: value}` (e.g. `{"CUDA_SCALE_LAUNCH_QUEUES": "4x"}`: the CUDA driver's
+    launch-queue size), or None. Set where the XLA flags are, before JAX's backend starts
+    and only on a machine probed as the instance type's platform; a variable already in
+    the environment is never changed, so the user overrides any of them by setting it.
+    Two plugins giving one variable different values is an error naming both. Compiler
+    flags go through `axcore_xla_flags`, not here.
     """
 
 

@@ -28,7 +28,7 @@ from axcore.config import ConfigBase, from_dict, raise_collected
 from axcore.errors import ConfigError, NoMatchError, PluginError, PluginLoadError, PluginVersionError
 from axcore.kernels.registry import KernelRegistry, Op
 from axcore.plugin import hookspecs
-from axcore.plugin.flags import choose_flags_environment, merge_xla_flags
+from axcore.plugin.flags import choose_flags_environment, merge_runtime_environment, merge_xla_flags
 from axcore.plugin.write_log import WriteLog
 from axcore.registry import Family, FamilyHook, Provenance, Registries, Registry, family_hook
 
@@ -271,6 +271,19 @@ class AxcorePluginManager:
             (info.name, info.distribution, answer)
             for info in self.enabled
             for answer in self._call(info, "axcore_xla_flags", instance_type=instance_type)
+        )
+
+    def runtime_environment(self, instance_type: str) -> dict[str, str]:
+        """Every enabled plugin's `axcore_runtime_environment(instance_type)`, merged.
+
+        Raises:
+            PluginConflictError: two plugins give one variable different values (naming both).
+            PluginLoadError: a plugin returned something other than a mapping.
+        """
+        return merge_runtime_environment(
+            (info.name, info.distribution, answer)
+            for info in self.enabled
+            for answer in self._call(info, "axcore_runtime_environment", instance_type=instance_type)
         )
 
     def flags_environment(self, instance_type: str) -> str:

@@ -1,4 +1,5 @@
-"""The `gpu` plugin (entry point `gpu`): cuDNN and Pallas attention, RMSNorm kernels, GPU mesh rules, XLA flags.
+"""The `gpu` plugin (entry point `gpu`): cuDNN and Pallas attention, RMSNorm kernels, GPU mesh rules, XLA flags
+and the CUDA driver's environment.
 
 Autoloaded on a GPU machine (the platform is `gpu`), which registers its kernels and
 mesh rules; it has no config transform, so listing it in `plugins:` changes nothing
@@ -16,7 +17,7 @@ from axcore_gpu.cudnn_attention import CudnnAttention
 from axcore_gpu.fused_norm import FusedVjpRMSNorm, PallasRMSNorm
 from axcore_gpu.mesh_rules import gpu_mesh_rules
 from axcore_gpu.pallas_attention import PallasAttention
-from axcore_gpu.xla_flags import gpu_xla_flags, probe_instance_type
+from axcore_gpu.xla_flags import gpu_runtime_environment, gpu_xla_flags, probe_instance_type
 
 # The `rms_norm` kernels (fused_norm.py) have not been timed on a GPU either: below the XLA
 # reference until they have, so they run only where forced (`kernels: {rms_norm: pallas}`).
@@ -52,3 +53,8 @@ def axcore_probe_instance_type():
 @hookimpl
 def axcore_xla_flags(instance_type):
     return gpu_xla_flags(instance_type)
+
+
+@hookimpl
+def axcore_runtime_environment(instance_type):
+    return gpu_runtime_environment(instance_type)

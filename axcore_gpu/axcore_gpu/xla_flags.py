@@ -61,6 +61,26 @@ def gpu_xla_flags(instance_type: str) -> dict[str, str] | None:
     return flags
 
 
+# The CUDA driver's launch-queue multiplier (its documented values: 0.25x, 0.5x, 2x, 4x).
+LAUNCH_QUEUE_SCALE = "4x"
+
+
+def gpu_runtime_environment(instance_type: str) -> dict[str, str] | None:
+    """`CUDA_SCALE_LAUNCH_QUEUES=4x` for gpu instance types, None for others.
+
+    XLA runs a whole train step as one CUDA graph of about a thousand kernels (the 0.89B
+    benchmark: 736 fusions, 275 cuBLAS and 32 cuDNN calls). The driver's launch queue holds
+    about one such step, so the host could run only one step ahead and then waited in
+    `cuGraphLaunch` for the device: 193 ms of a 208 ms step per call, dispatch span over the
+    interval 0.81. Four times the queue let it run about four steps ahead: 20 ms per call,
+    span 0.505, the same step time (one H200, JAX 0.11.2, 2026-11-26; benchmarks/README.md).
+    """
+    parsed = InstanceType.parse(instance_type)
+    if parsed.platform != "gpu":
+        return None
+    return {"CUDA_SCALE_LAUNCH_QUEUES": LAUNCH_QUEUE_SCALE}
+
+
 def jax_cuda_installed() -> bool:
     """Whether JAX's CUDA plugin is installed (jax[cuda12], jax[cuda13] or a -local variant)."""
     for entry_point in importlib.metadata.entry_points(group="jax_plugins"):

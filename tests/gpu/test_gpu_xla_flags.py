@@ -110,3 +110,22 @@ def test_train_on_a_probed_gpu_sets_the_flags(monkeypatch):
     monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: "gpu-h100-1")
     load_experiment("default", ["mesh.instance_type=gpu-h100-1"], objects={"gpu": axcore_gpu.plugin}, apply_xla_flags=True)
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_latency_hiding_scheduler=true"
+
+
+def test_train_on_a_probed_gpu_scales_the_cuda_launch_queues_unless_the_user_did(monkeypatch):
+    # Why 4x: the host blocked in cuGraphLaunch on a full launch queue (benchmarks/README.md).
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.delenv("CUDA_SCALE_LAUNCH_QUEUES", raising=False)
+    monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: "gpu-h100-1")
+    overrides, objects = ["mesh.instance_type=gpu-h100-1"], {"gpu": axcore_gpu.plugin}
+    load_experiment("default", overrides, objects=objects, apply_xla_flags=True)
+    assert os.environ["CUDA_SCALE_LAUNCH_QUEUES"] == "4x"
+    monkeypatch.setenv("CUDA_SCALE_LAUNCH_QUEUES", "2x")
+    load_experiment("default", overrides, objects=objects, apply_xla_flags=True)
+    assert os.environ["CUDA_SCALE_LAUNCH_QUEUES"] == "2x"
+    # Resolving a GPU experiment on another machine sets nothing.
+    monkeypatch.delenv("CUDA_SCALE_LAUNCH_QUEUES")
+    monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: "cpu-1")
+    load_experiment("default", overrides, objects=objects, apply_xla_flags=True)
+    assert "CUDA_SCALE_LAUNCH_QUEUES" not in os.environ
+    assert gpu_flags.gpu_runtime_environment("tpu-v5p-8") is None
