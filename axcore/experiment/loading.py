@@ -39,7 +39,13 @@ from axcore.config import ConfigBase, dump_flat, from_dict, parse_override, rais
 from axcore.config.serialize import flatten, format_value, nest_path, to_dict
 from axcore.data.schema import BATCH_SCHEMA
 from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
-from axcore.experiment.files import SearchResult, builtin_experiments, read_experiment_file, search_plugins
+from axcore.experiment.files import (
+    SearchResult,
+    builtin_experiments,
+    merge_onto_base_run,
+    read_experiment_file,
+    search_plugins,
+)
 from axcore.experiment.mesh import layout_mesh, local_mesh_rules
 from axcore.experiment.saved import RESOLVED_KEY, check_resolved_marker, check_resolved_plugins, resolved_marker
 from axcore.experiment.schema import (
@@ -191,6 +197,8 @@ def load_experiment(
     Runs the steps of `_STEPS` in order on one `_Loading` state:
 
     1. `_read_source`: the file's YAML mapping and its `resolved_by` marker, checked.
+    1b. `_merge_onto_base_run`: with `init_from` set (file or override), the mapping
+       merged onto that run's experiment (`merge_onto_base_run`; not for a resolved config).
     2. `_choose_plugins`: the `plugins:` list (a `plugins=[...]` override replaces it);
        a resolved config must keep the plugins whose transforms ran.
     3. `_find_instance_type`: the `mesh.instance_type` the file or overrides select,
@@ -289,8 +297,18 @@ def _read_source(s: _Loading) -> None:
     s.resolved = check_resolved_marker(s.raw.pop(RESOLVED_KEY, None), s.label)
 
 
-def _choose_plugins(s: _Loading) -> None:
+def _merge_onto_base_run(s: _Loading) -> None:
     s.parsed = [parse_override(o) for o in s.overrides]
+    base = s.raw.get("init_from")
+    for path, value in s.parsed:
+        base = value if path == "init_from" else base
+    if base is not None and s.resolved is None:  # A saved run was merged when it was resolved.
+        if not isinstance(base, str):
+            raise ConfigError(f"{s.label}: init_from must be a run directory (a string), got {base!r}.")
+        s.raw = merge_onto_base_run(s.raw, base, s.label, drop=(RESOLVED_KEY,))
+
+
+def _choose_plugins(s: _Loading) -> None:
     for path, value in s.parsed:
         if path == "plugins":
             s.raw["plugins"] = value
@@ -400,6 +418,7 @@ def _validate(s: _Loading) -> None:
 # load_experiment's steps, in order (its docstring says why this order).
 _STEPS = (
     _read_source,
+    _merge_onto_base_run,
     _choose_plugins,
     _find_instance_type,
     _join_job_if_type_unknown,

@@ -228,15 +228,18 @@ def test_bad_templates_are_errors_naming_the_template():
         render_chat(CONVERSATION, ByteTokenizer(), typed, where=WHERE)
 
 
-def test_tool_turns_and_prompts_without_replies_carry_no_weight():
+def test_tool_turns_carry_no_weight_and_prompts_without_replies_are_refused():
     tok, template = ByteTokenizer(), ChatTemplate(DEFAULT_TEMPLATE)
     messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "calc"},
                 {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4."}]
     doc = render_chat(messages, tok, template, where=WHERE)
     runs = [bytes(doc["tokens"][a:b].astype(np.uint8)).decode() for a, b in _runs(doc["loss_mask"])]
     assert runs == ["calc<|end|>", "4.<|end|>"]
-    prompt_only = render_chat(messages[:1], tok, template, where=WHERE)
-    assert len(prompt_only["tokens"]) == len("<|user|>\n2+2?<|end|>\n") and not prompt_only["loss_mask"].any()
+    # Nothing would train on a conversation without a reply: refused, naming the record (train_on: all takes it).
+    with pytest.raises(DataError, match=r"^'chat.jsonl' line 3: the conversation has no assistant message"):
+        render_chat(messages[:1], tok, template, where=WHERE)
+    prompt_only = render_chat(messages[:1], tok, template, train_on="all", where=WHERE)
+    assert len(prompt_only["tokens"]) == len("<|user|>\n2+2?<|end|>\n") and prompt_only["loss_mask"].all()
 
 
 def test_a_token_straddling_the_reply_start_carries_weight():
