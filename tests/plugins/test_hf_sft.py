@@ -27,6 +27,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from axcore.cli import main  # noqa: E402
 from axcore.data import Split  # noqa: E402
+from axcore.errors import ConfigError  # noqa: E402
 from axcore.experiment import load_experiment  # noqa: E402
 from axcore.inference.run_loading import save_model  # noqa: E402
 
@@ -71,7 +72,7 @@ def _segments(messages):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """(base run, HF directory, chat file, library tokenizer, transformers tokenizer)."""
+    """(base run, transformers model, chat file, library tokenizer, transformers tokenizer)."""
     root = tmp_path_factory.mktemp("sft")
     hf = root / "hf"
     tok = tokenizers.Tokenizer(models.BPE())
@@ -89,12 +90,13 @@ def setup(tmp_path_factory):
                                       num_key_value_heads=1, intermediate_size=64, max_position_embeddings=128,
                                       rope_theta=10000.0)
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").save_pretrained(hf)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model.save_pretrained(hf)
     hf_to_axcore(hf, root / "base")
     chats = root / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": _conversation(k)}) + "\n" for k in range(100)))
     reference = transformers.PreTrainedTokenizerFast.from_pretrained(str(hf), local_files_only=True)
-    return root / "base", hf, chats, tokenizers.Tokenizer.from_file(str(hf / "tokenizer.json")), reference
+    return root / "base", model, chats, tokenizers.Tokenizer.from_file(str(hf / "tokenizer.json")), reference
 
 
 def _overrides(setup, *more):
@@ -108,7 +110,11 @@ def test_sft_batches_weight_exactly_the_assistant_tokens(setup):
     exp = load_experiment("sft", [f"init_from={base}", f"input.source.paths=[{chats}]", *TRAIN])
     assert exp.config.tokenizer.path == str(base / "hf" / "tokenizer.json")  # The base's tokenizer...
     assert exp.config.input.source.paths == [str(chats)] and exp.config.input.source.train_on.value == "assistant"
+    # ...its plugins and model, under the recipe's settings; never its run directory.
     assert "rope" in exp.config.plugins and exp.config.trainer.learner.learning_rate == 2e-2
+    assert exp.config.model.vocab_size == 320 and exp.config.name == "sft" and exp.config.trainer.run_dir is None
+    with pytest.raises(ConfigError, match=r"init_from '.*nowhere' is not a run directory"):
+        load_experiment("sft", [f"init_from={base.parent / 'nowhere'}"])
     # Each conversation's expected (ids, weights), from the hand-written segments and transformers' text.
     expected = {}
     for k in range(100):
@@ -141,7 +147,7 @@ def test_sft_batches_weight_exactly_the_assistant_tokens(setup):
 
 
 def test_sft_from_an_import_lowers_the_loss_and_chat_generation_stops_at_end_of_turn(setup, tmp_path, capsys):
-    base, _, chats, library, _ = setup
+    base, model, chats, library, _ = setup
     run = tmp_path / "run"
     assert main(["train", "sft", *_overrides(setup, f"trainer.run_dir={run}")]) == 0
     err = capsys.readouterr().err
@@ -150,6 +156,22 @@ def test_sft_from_an_import_lowers_the_loss_and_chat_generation_stops_at_end_of_
     losses = [r["train/loss"] for r in records if "train/loss" in r]
     assert len(losses) == 30 and np.mean(losses[-5:]) < 0.5 * np.mean(losses[:3]), losses
     assert any("eval/loss" in r for r in records)  # Held-out evaluation ran.
+    # Step 1 (learning rate 0 at step 0) computed the loss of the import's parameters: transformers' weighted
+    # cross-entropy of the same first batch, conversation by conversation, over the assistant targets only.
+    exp = load_experiment("sft", [f"init_from={base}", f"input.source.paths=[{chats}]", *TRAIN])
+    batch = next(exp.config.input.make_pipeline(Split.TRAIN, exp.config.tokenizer.instantiate()))
+    total = weight = 0.0
+    for row in range(batch["input_ids"].shape[0]):
+        for s in set(batch["segment_ids"][row].tolist()) - {0}:
+            at = batch["segment_ids"][row] == s
+            ids = torch.tensor([[*batch["input_ids"][row][at].tolist(), int(batch["target_labels"][row][at][-1])]])
+            with torch.no_grad():
+                logits = model(ids).logits[0, :-1].double()
+            nll = -torch.log_softmax(logits, -1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]].numpy()
+            total += float((nll * batch["target_weights"][row][at]).sum())
+            weight += float(batch["target_weights"][row][at].sum())
+    assert records[0]["train/learning_rate"] == 0 and records[0]["train/num_tokens"] == weight
+    assert abs(records[0]["train/cross_entropy"] - total / weight) < 1e-4
     # The fine-tuned model replies with the trained reply and stops at <|im_end|> (not at EOS, not at the limit).
     assert main(["generate", str(run), "--chat", "Tell me about paper and music.", "--max-new-tokens", "12",
                  "--json"]) == 0
@@ -186,7 +208,7 @@ def test_chat_refusals_are_one_line_exit_2(setup, tmp_path, capsys):
     run = tmp_path / "bytes"
     exp = load_experiment("default", tiny.TINY)
     model = exp.config.model.instantiate(name="model", registries=exp.registries)
-    save_model(exp, model.initialize(jax.random.key(0)), run)
+    save_model(exp, jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), model.abstract_parameters()), run)
     assert main(["generate", str(run), "--chat", "Hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no chat template" in err[0], err
