@@ -371,10 +371,13 @@ def render_prompt(
 def end_of_turn(template: ChatTemplate, tokenizer: Tokenizer) -> str:
     """The text `template` writes right after an assistant reply (its end marker), "" if none.
 
-    Found by rendering a probe conversation: what the reply's assistant span holds after the
-    probe reply (module docstring, 2), e.g. `<|eot_id|>`, `<|im_end|>`, `</s>`, `<|end|>`.
+    Found by rendering a probe conversation (a user message, then a probe reply) without a
+    generation prompt: what follows the probe reply, minus trailing whitespace (as an
+    assistant span ends, module docstring, 2), e.g. `<|eot_id|>`, `<|im_end|>`, `</s>`, `<|end|>`.
+
+    Raises:
+        DataError: the template fails on the probe conversation.
     """
     messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
-    text, spans = assistant_spans(messages, template, dict(tokenizer.special_tokens), "the end-of-turn probe")
-    reply = text[spans[0][0]:spans[0][1]]
-    return reply.split(_PROBE, 1)[1] if _PROBE in reply else ""
+    text = _render(template, messages, False, dict(tokenizer.special_tokens), "the end-of-turn probe")
+    return text.split(_PROBE, 1)[1].rstrip() if _PROBE in text else ""

@@ -17,7 +17,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from axcore.data import ByteTokenizer, ChatFiles, DataError, InputConfig, Packing
-from axcore.data.chat import DEFAULT_TEMPLATE, ChatTemplate, TrainOn, render_chat
+from axcore.data.chat import DEFAULT_TEMPLATE, ChatTemplate, TrainOn, end_of_turn, render_chat
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -288,3 +288,18 @@ def test_packed_chat_batches_weight_exactly_the_reply_targets(tmp_path):
         assert batch["target_weights"][rows].tolist() == mask[1:].astype(np.float32).tolist()
         seen.add(key)
     assert seen == set(expected) and not batch["target_weights"][batch["segment_ids"] == 0].any()
+
+
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("source, marker", [(DEFAULT_TEMPLATE, "<|end|>"), (LLAMA3_TEMPLATE, "<|eot_id|>"),
+                                            (CHATML_TEMPLATE, "<|im_end|>"), (MISTRAL_TEMPLATE, "</s>")])
+def test_end_of_turn_is_what_the_template_writes_after_a_reply(source, marker):
+    class Specials(ByteTokenizer):
+        special_tokens = {"bos_token": "<s>", "eos_token": "</s>"}
+
+    assert end_of_turn(ChatTemplate(source), Specials()) == marker
