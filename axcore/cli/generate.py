@@ -91,9 +91,11 @@ def _chat_template(args: argparse.Namespace, experiment, tokenizer):
 
     if args.chat_template is not None:
         return ChatTemplate.from_file(args.chat_template, field="--chat-template")
-    source = experiment.config.input.source
-    if getattr(source, "type", None) == "chat":  # As the run's data was rendered.
-        return ChatTemplate.for_tokenizer(tokenizer, source.template, field="input.source.template")
+    from axcore.data.sources import ChatFiles
+
+    for _, _, source, where in experiment.config.input.components():
+        if isinstance(source, ChatFiles.Config):  # As the run's chat data was rendered.
+            return ChatTemplate.for_tokenizer(tokenizer, source.template, field=f"{where}.template")
     if tokenizer.chat_template is None:
         raise GenerateError(
             f"The tokenizer of run {args.run} ({type(tokenizer).__name__}) has no chat template and the run was not "

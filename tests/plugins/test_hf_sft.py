@@ -212,3 +212,22 @@ def test_chat_refusals_are_one_line_exit_2(setup, tmp_path, capsys):
     assert main(["generate", str(run), "--chat", "Hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no chat template" in err[0], err
+
+
+def test_generate_chat_uses_the_template_the_run_trained_with(tmp_path):
+    """A run trained on chat data chats with its chat source's template (here the built-in default, the bytes
+    tokenizer having none; a `template` file when the source names one), whatever its tokenizer."""
+    import argparse
+
+    from axcore.cli.generate import GenerateError, _chat_template
+    from axcore.data import ByteTokenizer
+    from axcore.data.chat import DEFAULT_TEMPLATE
+
+    args = argparse.Namespace(chat_template=None, run="RUN")
+    assert _chat_template(args, load_experiment("sft"), ByteTokenizer()).source == DEFAULT_TEMPLATE
+    custom = tmp_path / "t.jinja"
+    custom.write_text("{{ messages[0]['content'] }}")
+    chat_run = load_experiment("sft", [f"input.source.template={custom}"])
+    assert _chat_template(args, chat_run, ByteTokenizer()).source == custom.read_text()
+    with pytest.raises(GenerateError, match="has no chat template"):
+        _chat_template(args, load_experiment("default"), ByteTokenizer())
