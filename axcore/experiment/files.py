@@ -145,11 +145,12 @@ def merge_onto_base_run(raw: dict, base: str, label: str, *, drop: Sequence[str]
     """`raw` (an experiment mapping whose `init_from` is `base`) merged onto the experiment of run `base`.
 
     The base run's experiment is its `experiment.yaml` (what `axcore convert hf-to-axcore`
-    writes: the architecture, to edit) if it has one, else its saved `config.yaml` (its
-    top-level keys `drop` dropped: the loader passes the `resolved_by` marker, so the merged
-    experiment is resolved again). Its `name`, `init_from` and `trainer.run_dir` are dropped. Then `raw` is merged on top key by
-    key (nested mappings merge, any other value replaces), except `plugins`: the base's
-    list, then `raw`'s entries the base does not list (by plugin name), in order.
+    writes: the architecture, to edit) if it has one, else its saved `config.yaml`, less
+    the top-level keys `drop` (the loader passes the `resolved_by` marker: the merged
+    experiment is resolved again) and less its `name`, `init_from` and `trainer.run_dir`.
+    Then `raw` is merged on top key by key (nested mappings merge, any other value
+    replaces), except `plugins`: the base's list, then `raw`'s entries the base does not
+    list (by plugin name), in order.
 
     Raises:
         ConfigError: `base` is not a directory holding experiment.yaml or config.yaml,

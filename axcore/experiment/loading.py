@@ -197,28 +197,29 @@ def load_experiment(
     Runs the steps of `_STEPS` in order on one `_Loading` state:
 
     1. `_read_source`: the file's YAML mapping and its `resolved_by` marker, checked.
-    1b. `_merge_onto_base_run`: with `init_from` set (file or override), the mapping
-       merged onto that run's experiment (`merge_onto_base_run`; not for a resolved config).
-    2. `_choose_plugins`: the `plugins:` list (a `plugins=[...]` override replaces it);
+    2. `_merge_onto_base_run`: with `init_from` set (file or override), the mapping
+       merged onto that run's experiment (`merge_onto_base_run`; not for a resolved
+       config); a `plugins=[...]` override then adds to the base run's plugins.
+    3. `_choose_plugins`: the `plugins:` list (a `plugins=[...]` override replaces it);
        a resolved config must keep the plugins whose transforms ran.
-    3. `_find_instance_type`: the `mesh.instance_type` the file or overrides select,
+    4. `_find_instance_type`: the `mesh.instance_type` the file or overrides select,
        else (or with `apply_xla_flags`) this machine's, probed WITHOUT starting JAX's
        backend, so that XLA flags can still take effect.
-    4. `_join_job_if_type_unknown`: with no instance type known, join the job now:
+    5. `_join_job_if_type_unknown`: with no instance type known, join the job now:
        the next step asks JAX's backend for the platform, and a job must be joined
        before the backend starts.
-    5. `_build_plugin_manager`: built-ins, the listed plugins, the platform's plugin.
-    6. `_build_config`: the typed tree, plugin settings and overrides; every bad key
+    6. `_build_plugin_manager`: built-ins, the listed plugins, the platform's plugin.
+    7. `_build_config`: the typed tree, plugin settings and overrides; every bad key
        of all three is reported in one error.
-    7. `_transform_config`: size checks, then the plugins' config transforms in
+    8. `_transform_config`: size checks, then the plugins' config transforms in
        `plugins:` order (not for a resolved config).
-    8. `_apply_flags_and_join_job`: with the instance type known, resolve and set XLA
+    9. `_apply_flags_and_join_job`: with the instance type known, resolve and set XLA
        flags, then join the job (flags first: the peer watch started after joining
        starts the backend, which reads the flags only when it starts).
-    9. `_lay_out_mesh`: the mesh rule and its modifiers (a resolved config keeps its own).
-    10. `_list_late_flags`: with the instance type known only now (detected from the
+    10. `_lay_out_mesh`: the mesh rule and its modifiers (a resolved config keeps its own).
+    11. `_list_late_flags`: with the instance type known only now (detected from the
        started backend), resolve the flags for the record; applying them warns.
-    11. `_validate`: the whole experiment against the registries.
+    12. `_validate`: the whole experiment against the registries.
 
     Args:
         source: a YAML file path or a registered experiment name (built-in or shipped
@@ -305,6 +306,10 @@ def _merge_onto_base_run(s: _Loading) -> None:
     if base is not None and s.resolved is None:  # A saved run was merged when it was resolved.
         if not isinstance(base, str):
             raise ConfigError(f"{s.label}: init_from must be a run directory (a string), got {base!r}.")
+        for path, value in s.parsed:  # A plugins=[...] override adds to the base run's plugins, as the file's do.
+            if path == "plugins":
+                s.raw["plugins"] = value
+        s.parsed = [(path, value) for path, value in s.parsed if path != "plugins"]
         s.raw = merge_onto_base_run(s.raw, base, s.label, drop=(RESOLVED_KEY,))
 
 
