@@ -76,9 +76,11 @@ def test_deep_merge_merges_nested_mappings_and_replaces_everything_else():
 def test_init_from_merges_onto_a_saved_runs_config_without_its_name_or_run_directory(tmp_path):
     """A base run with only a saved (resolved) config.yaml: its model, plugins and settings are the base, the
     file and overrides win (a plugins override adds to the base's), the base's run_dir and name are not
-    inherited, and the saved result loads as is."""
+    inherited, a component of another type (the chat source) replaces the base's, and the saved result loads
+    as is."""
     base = tmp_path / "base"
     saved = load_experiment("default", ["plugins=[rope]", "model.dim=48", "trainer.max_steps=7",
+                                        f"input.source={{type: text_files, paths: [{tmp_path}], format: jsonl}}",
                                         f"trainer.run_dir={base}", "mesh.instance_type=cpu-1"])
     saved.save(base)
     exp = load_experiment("sft", [f"init_from={base}", "plugins=[swiglu]", "trainer.max_steps=5"])

@@ -19,7 +19,6 @@ from axcore.config.safe_yaml import read_file as read_yaml_file
 from axcore.config.serialize import safe_load
 from axcore.errors import ConfigError, PluginError, did_you_mean
 from axcore.experiments import experiment_text
-from axcore.module import deep_merge
 from axcore.plugin.loading import BUILTIN_DISTRIBUTION, autoload_disabled, create_plugin_manager, installed_entry_points
 from axcore.plugin.requests import PluginRequest
 from axcore.registry import Registration, Registry
@@ -148,9 +147,10 @@ def merge_onto_base_run(raw: dict, base: str, label: str, *, drop: Sequence[str]
     writes: the architecture, to edit) if it has one, else its saved `config.yaml`, less
     the top-level keys `drop` (the loader passes the `resolved_by` marker: the merged
     experiment is resolved again) and less its `name`, `init_from` and `trainer.run_dir`.
-    Then `raw` is merged on top key by key (nested mappings merge, any other value
-    replaces), except `plugins`: the base's list, then `raw`'s entries the base does not
-    list (by plugin name), in order.
+    Then `raw` is merged on top key by key (nested mappings merge; any other value
+    replaces, and so does a mapping whose `type` names another component, such as the
+    chat source over the base's text source), except `plugins`: the base's list, then
+    `raw`'s entries the base does not list (by plugin name), in order.
 
     Raises:
         ConfigError: `base` is not a directory holding experiment.yaml or config.yaml,
@@ -178,6 +178,16 @@ def merge_onto_base_run(raw: dict, base: str, label: str, *, drop: Sequence[str]
     plugins = list(merged.get("plugins") or [])
     names = {PluginRequest.parse(p).name for p in plugins}
     plugins += [p for p in raw.get("plugins") or [] if PluginRequest.parse(p).name not in names]
-    deep_merge(merged, {k: v for k, v in raw.items() if k != "plugins"})
+    _merge_components(merged, {k: v for k, v in raw.items() if k != "plugins"})
     merged["plugins"] = plugins
     return merged
+
+
+def _merge_components(into: dict, update: dict) -> None:
+    """`deep_merge`, except that a mapping naming another `type` than `into`'s replaces it (another component)."""
+    for key, value in update.items():
+        old = into.get(key)
+        if isinstance(value, dict) and isinstance(old, dict) and value.get("type", old.get("type")) == old.get("type"):
+            _merge_components(old, value)
+        else:
+            into[key] = value

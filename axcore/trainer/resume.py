@@ -118,8 +118,11 @@ def init_from_run(trainer: Any, base: str, report: Callable[[str], None]) -> dic
         try:
             restored, _, step = restore_verified(backend, abstract, None, report=report, partial=True)
         except CheckpointError as e:
-            raise CheckpointError(f"init_from: the parameters of run '{base}' do not restore into this model: "
-                          f"{' '.join(str(e).split())}") from None
+            raise CheckpointError(
+                f"init_from: the parameters of run '{base}' do not restore into this model "
+                f"({' '.join(str(e).split())}); point init_from at a run of the same model (its parameters as "
+                f"this experiment declares them)."
+            ) from None
     finally:
         backend.close()
     report(f"Initialized from step {step} of {base} (parameters only, optimizer state fresh, step 0)")
