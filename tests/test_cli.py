@@ -50,7 +50,8 @@ def test_config_matches_golden_file(name, capsys, request):
     assert lines["model.type"] == "causal_lm" and lines["model.vocab_size"] == MODEL_VOCAB.get(name, "256")
     assert lines["model.decoder.layer.self_attention.causal"] == "true"
     assert lines["mesh.rule"] == "default"
-    assert lines["input.source.type"] == ("prepared" if name.startswith("llama") else "embedded_corpus")
+    source = {"sft": "chat"}.get(name, "prepared" if name.startswith("llama") else "embedded_corpus")
+    assert lines["input.source.type"] == source
     assert lines["trainer.learner.optimizer.type"] == "adamw" and lines["trainer.learner.schedule.type"] == "cosine"
     assert lines["trainer.learner.optimizer.moment_dtype"] == "null"  # Moments in the parameter dtype.
     assert lines["trainer.checkpoint.backend"] == "orbax" and lines["trainer.checkpoint.backend_settings"] == "{}"

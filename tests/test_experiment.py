@@ -90,12 +90,12 @@ def test_bad_experiments_name_the_problem(tmp_path, text, overrides, error, patt
 def test_unknown_experiment_name():
     with pytest.raises(ConfigError, match="neither a file nor a built-in experiment"):
         load_experiment("no/such/file.yaml")
-    with pytest.raises(ConfigError, match=r"'scna' .*\(did you mean 'scan'\?\); available: default, llama2_7b, llama3_70b, scan"):
+    with pytest.raises(ConfigError, match=r"'scna' .*\(did you mean 'scan'\?\); available: default, llama2_7b, llama3_70b, scan, sft"):
         load_experiment("scna")
 
 
 def test_builtin_experiments_are_registered_by_a_builtin_plugin(registries):
-    assert builtin_experiments() == ["default", "llama2_7b", "llama3_70b", "scan"]
+    assert builtin_experiments() == ["default", "llama2_7b", "llama3_70b", "scan", "sft"]
     entry = registries.experiments.entry("scan")
     assert entry.provenance.plugin == "axcore.experiments.plugin" and entry.provenance.distribution == "axcore"
     assert load_experiment("scan").source == "<built-in experiment scan>"

@@ -71,3 +71,25 @@ def test_deep_merge_merges_nested_mappings_and_replaces_everything_else():
     into = {"a": {"b": 1, "c": {"d": 2}}, "e": 1, "f": [1]}
     deep_merge(into, {"a": {"c": {"g": 3}, "b": 4}, "e": {"x": 1}, "f": [2], "h": None})
     assert into == {"a": {"b": 4, "c": {"d": 2, "g": 3}}, "e": {"x": 1}, "f": [2], "h": None}
+
+
+def test_init_from_merges_onto_a_saved_runs_config_without_its_name_or_run_directory(tmp_path):
+    """A base run with only a saved (resolved) config.yaml: its model, plugins and settings are the base, the
+    file and overrides win (a plugins override adds to the base's), the base's run_dir and name are not
+    inherited, a component of another type (the chat source) replaces the base's, and the saved result loads
+    as is."""
+    base = tmp_path / "base"
+    saved = load_experiment("default", ["plugins=[rope]", "model.dim=48", "trainer.max_steps=7",
+                                        f"input.source={{type: text_files, paths: [{tmp_path}], format: jsonl}}",
+                                        f"trainer.run_dir={base}", "mesh.instance_type=cpu-1"])
+    saved.save(base)
+    exp = load_experiment("sft", [f"init_from={base}", "plugins=[swiglu]", "trainer.max_steps=5"])
+    config = exp.config
+    assert (config.name, config.init_from, config.trainer.run_dir) == ("sft", str(base), None)
+    assert config.model.dim == 48 and config.trainer.max_steps == 5 and config.trainer.learner.learning_rate == 2e-5
+    assert config.plugins == ["rope", "swiglu"] and type(config.input.source).__qualname__ == "ChatFiles.Config"
+    exp.save(tmp_path / "sft")
+    again = load_experiment(tmp_path / "sft" / "config.yaml")  # Resolved: not merged a second time.
+    assert again.to_dict() == exp.to_dict()
+    with pytest.raises(axcore.ConfigError, match=r"init_from must be a run directory"):
+        load_experiment("sft", ["init_from=3"])

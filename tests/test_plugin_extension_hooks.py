@@ -200,7 +200,7 @@ def test_the_plugins_experiment_optimizer_schedule_writer_and_tokenizer_take_eff
 
 
 def test_the_plugins_experiment_is_listed_when_a_name_is_unknown():
-    with pytest.raises(ConfigError, match=r"available: default, ext_tiny \(plugin ext\), llama2_7b, llama3_70b, scan"):
+    with pytest.raises(ConfigError, match=r"available: default, ext_tiny \(plugin ext\), llama2_7b, llama3_70b, scan, sft"):
         load_experiment("ext_tinyy", objects=OBJECTS)
 
 

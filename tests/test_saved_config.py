@@ -105,11 +105,12 @@ COMBINATIONS = {
     "scan": [["rope", "swiglu", "moe", "remat", "lora"], ["alibi", "swiglu", "moe", "remat"]],
     "llama2_7b": [["rope", "swiglu", "moe", "remat", "lora"]],
     "llama3_70b": [["rope", "swiglu", "moe", "remat", "lora"]],
+    "sft": [["rope", "swiglu", "moe"], ["alibi", "moe", "swiglu", "lora"]],
 }
 
 
 # The feature plugins left out of an experiment's combinations, each because it does not resolve.
-LEFT_OUT = {"default": ["remat"], "scan": [], "llama2_7b": ["alibi"], "llama3_70b": ["alibi"]}
+LEFT_OUT = {"default": ["remat"], "scan": [], "llama2_7b": ["alibi"], "llama3_70b": ["alibi"], "sft": ["remat"]}
 
 
 def test_combinations_cover_every_builtin_experiment_and_feature_plugin():

@@ -1,9 +1,19 @@
-"""`axcore generate RUN_OR_CKPT --prompt TEXT ...`: text from a run's checkpoint (own or imported).
+"""`axcore generate RUN_OR_CKPT --prompt TEXT ...` (or `--chat TEXT ...`): text from a run's checkpoint.
 
 The prompts are encoded with the run's tokenizer and continued together in one batch
 (`axcore.generation.Generator`, KV-cache decoding) under the run's mesh. Generation
 stops at `--max-new-tokens` or at a stop token: the tokenizer's end-of-sequence id
 (where it has one, unless `--no-eos-stop`) and every `--stop-token`.
+
+With `--chat TEXT` (a user message; repeatable, each its own conversation, after
+`--system TEXT` if given) or `--chat-file FILE` (chat JSONL, `{"messages": [...]}` per
+line, each conversation continued) the prompt is the chat template rendered with
+`add_generation_prompt=True` (`axcore.data.chat.render_prompt`: the string transformers'
+`apply_chat_template` gives), generation also stops at the template's end-of-turn token
+(`end_of_turn`: `<|eot_id|>`, `<|im_end|>`, ...), and only the reply is printed, without
+that marker. The template is the one the run trained with (a chat source's `template`
+file, else the tokenizer's, else the built-in default), or `--chat-template FILE`; a run
+not trained on chat data whose tokenizer has no template is refused (exit 2).
 """
 
 from __future__ import annotations
@@ -39,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                         help="override a value of the run's config, e.g. --set mesh.mesh_shape=[-1]")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt instead of text")
+    chat = parser.add_argument_group("chat", "prompt with the chat template; print the reply only")
+    chat.add_argument("--chat", action="append", default=[], metavar="TEXT",
+                      help="a user message (repeatable: one conversation each, one batch)")
+    chat.add_argument("--chat-file", metavar="FILE", help='chat JSONL, {"messages": [...]} per line: each continued')
+    chat.add_argument("--system", metavar="TEXT", help="a system message before each --chat message")
+    chat.add_argument("--chat-template", metavar="FILE", help="jinja2 template (default: the run's)")
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:
@@ -54,6 +70,61 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def _conversations(args: argparse.Namespace) -> list[tuple[str, list[dict]]]:
+    """`(where, messages)` of each --chat message and --chat-file record; [] when neither is given."""
+    if (args.chat or args.chat_file) and (args.prompt or args.prompt_file):
+        raise GenerateError("Give either --prompt/--prompt-file or --chat/--chat-file, not both.")
+    if args.system is not None and not args.chat:
+        raise GenerateError("--system goes with --chat TEXT (a --chat-file record carries its own system message).")
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    conversations = [(f"--chat {i + 1}", [*system, {"role": "user", "content": text}]) for i, text in enumerate(args.chat)]
+    if args.chat_file:
+        from axcore.data.readers import iter_chat_records
+
+        conversations += list(iter_chat_records(args.chat_file))
+    return conversations
+
+
+def _chat_template(args: argparse.Namespace, experiment, tokenizer):
+    """The template the run trained with (its chat source's), else the tokenizer's; GenerateError if it has none."""
+    from axcore.data.chat import ChatTemplate
+
+    if args.chat_template is not None:
+        return ChatTemplate.from_file(args.chat_template, field="--chat-template")
+    from axcore.data.sources import ChatFiles
+
+    for _, _, source, where in experiment.config.input.components():
+        if isinstance(source, ChatFiles.Config):  # As the run's chat data was rendered.
+            return ChatTemplate.for_tokenizer(tokenizer, source.template, field=f"{where}.template")
+    if tokenizer.chat_template is None:
+        raise GenerateError(
+            f"The tokenizer of run {args.run} ({type(tokenizer).__name__}) has no chat template and the run was not "
+            f"trained on chat data; give --chat-template FILE, or use --prompt for plain text."
+        )
+    return ChatTemplate.for_tokenizer(tokenizer)
+
+
+def _reply(tokenizer, tokens, stops: list[int], marker: str) -> tuple[str, bool]:
+    """`(reply text, ended)`: `tokens` decoded without the stop token that ended them, cut at `marker`."""
+    ended = len(tokens) > 0 and int(tokens[-1]) in stops
+    text = tokenizer.decode(tokens[:-1] if ended else tokens)
+    if marker and marker in text:  # An end marker of several tokens: found in the text.
+        return text[: text.index(marker)], True
+    return text, ended
+
+
+def _marker_stop(tokenizer, marker: str) -> list[int]:
+    """The end marker's token id when it is one token (none of the ids the tokenizer adds, e.g. BOS), else []."""
+    import numpy as np
+
+    if not marker:
+        return []
+    ids, offsets = tokenizer.encode_with_offsets(marker)
+    offsets = np.asarray(offsets).reshape(-1, 2)
+    ids = [int(i) for i, (a, b) in zip(np.asarray(ids).reshape(-1), offsets) if b > a]
+    return ids if len(ids) == 1 else []
+
+
 def run(args: argparse.Namespace) -> int:
     """Loads the run, generates, prints each prompt with its continuation; returns 0."""
     args.run = one_run(args)
@@ -63,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     from axcore.generation import Generator, Sampling
     from axcore.inference.run_loading import load_model_and_step
 
-    prompts = _prompts(args)
+    conversations = _conversations(args)
+    prompts = [] if conversations else _prompts(args)
     if args.max_new_tokens < 1:
         raise GenerateError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
     try:
@@ -80,7 +152,18 @@ def run(args: argparse.Namespace) -> int:
     eos = getattr(tokenizer, "eos_id", None)
     if eos is not None and not args.no_eos_stop:
         stops.append(int(eos))
-    encoded = [np.asarray(tokenizer.encode(p)) for p in prompts]
+    marker = ""
+    if conversations:
+        from axcore.data.chat import end_of_turn, render_prompt
+
+        template = _chat_template(args, loaded.experiment, tokenizer)
+        rendered = [render_prompt(messages, tokenizer, template, where=where) for where, messages in conversations]
+        prompts = [text for text, _ in rendered]
+        encoded = [ids for _, ids in rendered]
+        marker = end_of_turn(template, tokenizer)
+        stops += _marker_stop(tokenizer, marker)
+    else:
+        encoded = [np.asarray(tokenizer.encode(p)) for p in prompts]
     empty = [p for p, ids in zip(prompts, encoded) if len(ids) == 0]
     if empty:
         raise GenerateError(f"Prompt {empty[0]!r} encodes to no tokens; give a non-empty prompt.")
@@ -97,7 +180,15 @@ def run(args: argparse.Namespace) -> int:
     with step.op_environment():
         outputs = generator(loaded.params, encoded, jax.random.key(args.seed))
     elapsed = time.perf_counter() - started
-    for prompt, tokens in zip(prompts, outputs):
+    for i, (prompt, tokens) in enumerate(zip(prompts, outputs)):
+        if conversations:
+            reply, ended = _reply(tokenizer, tokens, stops, marker)
+            if args.json:
+                print(json.dumps({"messages": conversations[i][1], "prompt": prompt, "reply": reply,
+                                  "tokens": tokens.tolist(), "ended": ended}))
+            else:
+                print(reply)
+            continue
         text = tokenizer.decode(tokens)
         if args.json:
             print(json.dumps({"prompt": prompt, "completion": text, "tokens": tokens.tolist()}))

@@ -31,7 +31,13 @@ How (the exact rules, also in docs/data.md "Chat data and loss masks"):
    the previous token's end; tokens the tokenizer adds around the text (BOS, EOS) cover no
    character and carry no weight. `train_on="all"`: every token carries weight.
 
-A conversation without an assistant message gives an all-zero mask under "assistant".
+A conversation without an assistant message is refused under "assistant" (a DataError
+naming the record: it would train on nothing).
+
+`render_prompt` is the generation side (`axcore generate --chat`): the conversation so far
+rendered with `add_generation_prompt=True` and tokenized as a document's start (BOS as the
+tokenizer's settings say, never twice, no EOS); `end_of_turn` is the text the template
+writes after a reply (`<|eot_id|>`, `<|im_end|>`), where generation stops.
 """
 
 from __future__ import annotations
@@ -294,11 +300,17 @@ def render_chat(
         where: the record's location for errors, e.g. "'chat.jsonl' line 17".
 
     Raises:
-        DataError: a malformed message (unknown role, missing or non-string content), a
-            template that fails or does not render prefixes as prefixes; naming `where`.
+        DataError: a malformed message (unknown role, missing or non-string content), no
+            assistant message under train_on="assistant", a template that fails or does
+            not render prefixes as prefixes; naming `where`.
     """
     mode = TrainOn(train_on)
     _check_messages(messages, where)
+    if mode is TrainOn.ASSISTANT and not any(m["role"] == "assistant" for m in messages):
+        raise DataError(
+            f"{where}: the conversation has no assistant message, so under train_on: assistant nothing in it "
+            f"trains; add the reply, drop the record, or use train_on: all."
+        )
     variables = dict(tokenizer.special_tokens)
     if mode is TrainOn.ASSISTANT:
         text, spans = assistant_spans(messages, template, variables, where)
@@ -329,3 +341,43 @@ def _drop_repeated_specials(
     if eos is not None and n - first >= 2 and ids[-1] == ids[-2] == eos and offsets[-1, 1] <= offsets[-1, 0]:
         last = n - 1
     return ids[first:last], offsets[first:last]
+
+
+# Reply text `end_of_turn` renders to find what the template writes after a reply.
+_PROBE = "axcore_probe_reply"
+
+
+def render_prompt(
+    messages: list[dict], tokenizer: Tokenizer, template: ChatTemplate, *, where: str
+) -> tuple[str, np.ndarray]:
+    """The conversation so far as a generation prompt: `(text, int32 ids [n])`.
+
+    `text` is `template.render(messages, add_generation_prompt=True)` with the tokenizer's
+    special tokens (what transformers' `apply_chat_template(..., add_generation_prompt=True,
+    tokenize=False)` returns); the ids are `tokenizer.encode_with_offsets(text)` (BOS first
+    under `add_bos`), a BOS the template also wrote dropped, as in `render_chat`.
+
+    Raises:
+        DataError: a malformed message or a template that fails, naming `where`.
+    """
+    _check_messages(messages, where)
+    text = _render(template, messages, True, dict(tokenizer.special_tokens), where)
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    ids = np.asarray(ids, np.int32).reshape(-1)
+    ids, _ = _drop_repeated_specials(ids, np.asarray(offsets, np.int64).reshape(-1, 2), tokenizer)
+    return text, ids
+
+
+def end_of_turn(template: ChatTemplate, tokenizer: Tokenizer) -> str:
+    """The text `template` writes right after an assistant reply (its end marker), "" if none.
+
+    Found by rendering a probe conversation (a user message, then a probe reply) without a
+    generation prompt: what follows the probe reply, minus trailing whitespace (as an
+    assistant span ends, module docstring, 2), e.g. `<|eot_id|>`, `<|im_end|>`, `</s>`, `<|end|>`.
+
+    Raises:
+        DataError: the template fails on the probe conversation.
+    """
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
+    text = _render(template, messages, False, dict(tokenizer.special_tokens), "the end-of-turn probe")
+    return text.split(_PROBE, 1)[1].rstrip() if _PROBE in text else ""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from axcore.config.safe_yaml import read_file as read_yaml_file
@@ -20,6 +20,7 @@ from axcore.config.serialize import safe_load
 from axcore.errors import ConfigError, PluginError, did_you_mean
 from axcore.experiments import experiment_text
 from axcore.plugin.loading import BUILTIN_DISTRIBUTION, autoload_disabled, create_plugin_manager, installed_entry_points
+from axcore.plugin.requests import PluginRequest
 from axcore.registry import Registration, Registry
 
 
@@ -132,3 +133,61 @@ def _unknown_experiment(source: str, search: SearchResult) -> str:
     if search.broken:
         message += f" Plugins that could not be searched: {', '.join(sorted(search.broken))} (see 'axcore plugins')."
     return message
+
+
+# Keys of a base run's experiment that never carry over to the run fine-tuned from it: its own
+# name and run directory (the new run must not write into the base), and its own base.
+_NOT_INHERITED = {"name": None, "init_from": None, "trainer": ("run_dir",)}
+
+
+def merge_onto_base_run(raw: dict, base: str, label: str, *, drop: Sequence[str] = ()) -> dict:
+    """`raw` (an experiment mapping whose `init_from` is `base`) merged onto the experiment of run `base`.
+
+    The base run's experiment is its `experiment.yaml` (what `axcore convert hf-to-axcore`
+    writes: the architecture, to edit) if it has one, else its saved `config.yaml`, less
+    the top-level keys `drop` (the loader passes the `resolved_by` marker: the merged
+    experiment is resolved again) and less its `name`, `init_from` and `trainer.run_dir`.
+    Then `raw` is merged on top key by key (nested mappings merge; any other value
+    replaces, and so does a mapping whose `type` names another component, such as the
+    chat source over the base's text source), except `plugins`: the base's list, then
+    `raw`'s entries the base does not list (by plugin name), in order.
+
+    Raises:
+        ConfigError: `base` is not a directory holding experiment.yaml or config.yaml,
+            naming `label` and `init_from`.
+    """
+    directory = os.path.expanduser(os.fspath(base))
+    for file_name in ("experiment.yaml", "config.yaml"):
+        path = os.path.join(directory, file_name)
+        if os.path.isfile(path):
+            break
+    else:
+        raise ConfigError(
+            f"{label}: init_from '{base}' is not a run directory (it holds neither experiment.yaml nor config.yaml); "
+            f"point it at a run written by axcore train or axcore convert hf-to-axcore."
+        )
+    merged, _ = read_experiment_file(path)
+    for key in drop:
+        merged.pop(key, None)
+    for key, inner in _NOT_INHERITED.items():
+        if inner is None:
+            merged.pop(key, None)
+        elif isinstance(merged.get(key), dict):
+            for name in inner:
+                merged[key].pop(name, None)
+    plugins = list(merged.get("plugins") or [])
+    names = {PluginRequest.parse(p).name for p in plugins}
+    plugins += [p for p in raw.get("plugins") or [] if PluginRequest.parse(p).name not in names]
+    _merge_components(merged, {k: v for k, v in raw.items() if k != "plugins"})
+    merged["plugins"] = plugins
+    return merged
+
+
+def _merge_components(into: dict, update: dict) -> None:
+    """`deep_merge`, except that a mapping naming another `type` than `into`'s replaces it (another component)."""
+    for key, value in update.items():
+        old = into.get(key)
+        if isinstance(value, dict) and isinstance(old, dict) and value.get("type", old.get("type")) == old.get("type"):
+            _merge_components(old, value)
+        else:
+            into[key] = value

@@ -39,7 +39,13 @@ from axcore.config import ConfigBase, dump_flat, from_dict, parse_override, rais
 from axcore.config.serialize import flatten, format_value, nest_path, to_dict
 from axcore.data.schema import BATCH_SCHEMA
 from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
-from axcore.experiment.files import SearchResult, builtin_experiments, read_experiment_file, search_plugins
+from axcore.experiment.files import (
+    SearchResult,
+    builtin_experiments,
+    merge_onto_base_run,
+    read_experiment_file,
+    search_plugins,
+)
 from axcore.experiment.mesh import layout_mesh, local_mesh_rules
 from axcore.experiment.saved import RESOLVED_KEY, check_resolved_marker, check_resolved_plugins, resolved_marker
 from axcore.experiment.schema import (
@@ -196,27 +202,30 @@ def load_experiment(
     Runs the steps of `_STEPS` in order on one `_Loading` state:
 
     1. `_read_source`: the file's YAML mapping and its `resolved_by` marker, checked.
-    2. `_choose_plugins`: the `plugins:` list (a `plugins=[...]` override replaces it);
+    2. `_merge_onto_base_run`: with `init_from` set (file or override), the mapping
+       merged onto that run's experiment (`merge_onto_base_run`; not for a resolved
+       config); a `plugins=[...]` override then adds to the base run's plugins.
+    3. `_choose_plugins`: the `plugins:` list (a `plugins=[...]` override replaces it);
        a resolved config must keep the plugins whose transforms ran.
-    3. `_find_instance_type`: the `mesh.instance_type` the file or overrides select,
+    4. `_find_instance_type`: the `mesh.instance_type` the file or overrides select,
        else (or with `apply_xla_flags`) this machine's, probed WITHOUT starting JAX's
        backend, so that XLA flags can still take effect.
-    4. `_join_job_if_type_unknown`: with no instance type known, join the job now:
+    5. `_join_job_if_type_unknown`: with no instance type known, join the job now:
        the next step asks JAX's backend for the platform, and a job must be joined
        before the backend starts.
-    5. `_build_plugin_manager`: built-ins, the listed plugins, the platform's plugin.
-    6. `_build_config`: the typed tree, plugin settings and overrides; every bad key
+    6. `_build_plugin_manager`: built-ins, the listed plugins, the platform's plugin.
+    7. `_build_config`: the typed tree, plugin settings and overrides; every bad key
        of all three is reported in one error.
-    7. `_transform_config`: size checks, then the plugins' config transforms in
+    8. `_transform_config`: size checks, then the plugins' config transforms in
        `plugins:` order (not for a resolved config).
-    8. `_apply_flags_and_join_job`: with the instance type known, resolve and set XLA
+    9. `_apply_flags_and_join_job`: with the instance type known, resolve and set XLA
        flags and the plugins' runtime environment (`axcore_runtime_environment`), then
        join the job (flags first: the peer watch started after joining starts the
        backend, which reads the flags and the environment only when it starts).
-    9. `_lay_out_mesh`: the mesh rule and its modifiers (a resolved config keeps its own).
-    10. `_list_late_flags`: with the instance type known only now (detected from the
+    10. `_lay_out_mesh`: the mesh rule and its modifiers (a resolved config keeps its own).
+    11. `_list_late_flags`: with the instance type known only now (detected from the
        started backend), resolve the flags for the record; applying them warns.
-    11. `_validate`: the whole experiment against the registries.
+    12. `_validate`: the whole experiment against the registries.
 
     Args:
         source: a YAML file path or a registered experiment name (built-in or shipped
@@ -295,8 +304,22 @@ def _read_source(s: _Loading) -> None:
     s.resolved = check_resolved_marker(s.raw.pop(RESOLVED_KEY, None), s.label)
 
 
-def _choose_plugins(s: _Loading) -> None:
+def _merge_onto_base_run(s: _Loading) -> None:
     s.parsed = [parse_override(o) for o in s.overrides]
+    base = s.raw.get("init_from")
+    for path, value in s.parsed:
+        base = value if path == "init_from" else base
+    if base is not None and s.resolved is None:  # A saved run was merged when it was resolved.
+        if not isinstance(base, str):
+            raise ConfigError(f"{s.label}: init_from must be a run directory (a string), got {base!r}.")
+        for path, value in s.parsed:  # A plugins=[...] override adds to the base run's plugins, as the file's do.
+            if path == "plugins":
+                s.raw["plugins"] = value
+        s.parsed = [(path, value) for path, value in s.parsed if path != "plugins"]
+        s.raw = merge_onto_base_run(s.raw, base, s.label, drop=(RESOLVED_KEY,))
+
+
+def _choose_plugins(s: _Loading) -> None:
     for path, value in s.parsed:
         if path == "plugins":
             s.raw["plugins"] = value
@@ -408,6 +431,7 @@ def _validate(s: _Loading) -> None:
 # load_experiment's steps, in order (its docstring says why this order).
 _STEPS = (
     _read_source,
+    _merge_onto_base_run,
     _choose_plugins,
     _find_instance_type,
     _join_job_if_type_unknown,

@@ -93,6 +93,8 @@ class ExperimentConfig(ConfigBase):
     mesh_rules: list[MeshRuleConfig] = []
     # XLA flags {name: value} (no leading --) over the plugins' for the instance type; null removes one.
     xla_flags: dict[str, Any] = {}
+    # Fine-tune from this run directory: its experiment is the base this one merges onto, its latest parameters start training.
+    init_from: str | None = None
 
 
 def check_experiment_config(config: ExperimentConfig, manager: AxcorePluginManager) -> None:

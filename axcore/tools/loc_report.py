@@ -129,9 +129,16 @@ class CoreUsage:
 def probe_experiments() -> list[str]:
     """Built-in experiments that enable no plugin themselves (so each plugin can be probed alone).
 
-    Shape presets such as `llama2_7b` list `plugins:` of their own and are left out.
+    Shape presets such as `llama2_7b` list `plugins:` of their own and are left out, and so
+    are recipes that keep the default model (no `model:` of their own, such as `sft`, which
+    changes the data and the training only): their layers are `default`'s.
     """
-    return [name for name in builtin_experiments() if not read_experiment_file(name)[0].get("plugins")]
+    names = []
+    for name in builtin_experiments():
+        data = read_experiment_file(name)[0]
+        if not data.get("plugins") and (name == "default" or "model" in data):
+            names.append(name)
+    return names
 
 
 def core_usage(

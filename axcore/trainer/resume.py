@@ -19,6 +19,8 @@ whose metadata says `params_only` is resumed without its optimizer state.
 
 from __future__ import annotations
 
+import os
+import pathlib
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from axcore.checkpoint import CheckpointError, CheckpointNotFoundError, restore_verified
+from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.step import OBJECTIVE_STATE
 
 # Metadata key marking a parameters-only checkpoint.
@@ -89,3 +92,38 @@ def fresh_train_state(trainer: Any, params: Any, step: int, seed: int) -> dict:
         init = jax.jit(trainer.objective.init_state, out_shardings=shardings[OBJECTIVE_STATE])
         state[OBJECTIVE_STATE] = init(params)
     return state
+
+
+def init_from_run(trainer: Any, base: str, report: Callable[[str], None]) -> dict:
+    """A fresh train state (step 0, fresh optimizer) whose parameters are run `base`'s latest that verify.
+
+    Used for `init_from` (fine-tuning a run, typically an import) when the run has no
+    checkpoint of its own. Only `{"params": ...}` is read (a partial restore, checksums
+    verified), whether the base step is a full train state or parameters only. The base
+    run's checkpoints are read with this run's checkpoint backend, never written.
+
+    Raises:
+        CheckpointError: the base has no committed step, or its parameters do not fit
+            the model (the message names `init_from` and the base run).
+    """
+    directory = pathlib.Path(os.path.expanduser(base)) / "checkpoints"
+    cfg = trainer.cfg.trainer
+    if not directory.is_dir():  # Checked first: a backend would create the directory.
+        raise CheckpointNotFoundError(f"init_from: run '{base}' has no checkpoints/ directory; point it at a trained "
+                                      f"or imported run.")
+    settings = cfg.checkpoint.set(keep_last_n=None, async_save=False)  # Read only: nothing is saved or deleted.
+    backend = make_checkpoint_backend(settings, trainer.experiment.registries, directory)
+    try:
+        abstract = {"params": trainer.abstract_state()["params"]}
+        try:
+            restored, _, step = restore_verified(backend, abstract, None, report=report, partial=True)
+        except CheckpointError as e:
+            raise CheckpointError(
+                f"init_from: the parameters of run '{base}' do not restore into this model "
+                f"({' '.join(str(e).split())}); point init_from at a run of the same model (its parameters as "
+                f"this experiment declares them)."
+            ) from None
+    finally:
+        backend.close()
+    report(f"Initialized from step {step} of {base} (parameters only, optimizer state fresh, step 0)")
+    return fresh_train_state(trainer, restored["params"], 0, cfg.seed)

@@ -307,6 +307,10 @@ class Trainer:
             # Metrics of steps after the restored one (logged before a crash) are dropped: they are redone.
             for writer_cfg in tcfg.metrics_writers if is_primary() else []:
                 writer.writers.append(writer_cfg.instantiate().create_resumed(self.run_dir, start))
+            if state is None and self.cfg.init_from is not None:  # Fine-tuning another run: its parameters.
+                from axcore.trainer.resume import init_from_run
+
+                state = init_from_run(self, self.cfg.init_from, lambda line: print(line, file=self.stream))
             if state is None:
                 state = self.init_state()
             eval_step = self.compiled_eval_step()

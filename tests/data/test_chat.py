@@ -17,7 +17,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from axcore.data import ByteTokenizer, ChatFiles, DataError, InputConfig, Packing
-from axcore.data.chat import DEFAULT_TEMPLATE, ChatTemplate, TrainOn, render_chat
+from axcore.data.chat import DEFAULT_TEMPLATE, ChatTemplate, TrainOn, end_of_turn, render_chat
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -228,15 +228,18 @@ def test_bad_templates_are_errors_naming_the_template():
         render_chat(CONVERSATION, ByteTokenizer(), typed, where=WHERE)
 
 
-def test_tool_turns_and_prompts_without_replies_carry_no_weight():
+def test_tool_turns_carry_no_weight_and_prompts_without_replies_are_refused():
     tok, template = ByteTokenizer(), ChatTemplate(DEFAULT_TEMPLATE)
     messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "calc"},
                 {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4."}]
     doc = render_chat(messages, tok, template, where=WHERE)
     runs = [bytes(doc["tokens"][a:b].astype(np.uint8)).decode() for a, b in _runs(doc["loss_mask"])]
     assert runs == ["calc<|end|>", "4.<|end|>"]
-    prompt_only = render_chat(messages[:1], tok, template, where=WHERE)
-    assert len(prompt_only["tokens"]) == len("<|user|>\n2+2?<|end|>\n") and not prompt_only["loss_mask"].any()
+    # Nothing would train on a conversation without a reply: refused, naming the record (train_on: all takes it).
+    with pytest.raises(DataError, match=r"^'chat.jsonl' line 3: the conversation has no assistant message"):
+        render_chat(messages[:1], tok, template, where=WHERE)
+    prompt_only = render_chat(messages[:1], tok, template, train_on="all", where=WHERE)
+    assert len(prompt_only["tokens"]) == len("<|user|>\n2+2?<|end|>\n") and prompt_only["loss_mask"].all()
 
 
 def test_a_token_straddling_the_reply_start_carries_weight():
@@ -285,3 +288,18 @@ def test_packed_chat_batches_weight_exactly_the_reply_targets(tmp_path):
         assert batch["target_weights"][rows].tolist() == mask[1:].astype(np.float32).tolist()
         seen.add(key)
     assert seen == set(expected) and not batch["target_weights"][batch["segment_ids"] == 0].any()
+
+
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("source, marker", [(DEFAULT_TEMPLATE, "<|end|>"), (LLAMA3_TEMPLATE, "<|eot_id|>"),
+                                            (CHATML_TEMPLATE, "<|im_end|>"), (MISTRAL_TEMPLATE, "</s>")])
+def test_end_of_turn_is_what_the_template_writes_after_a_reply(source, marker):
+    class Specials(ByteTokenizer):
+        special_tokens = {"bos_token": "<s>", "eos_token": "</s>"}
+
+    assert end_of_turn(ChatTemplate(source), Specials()) == marker
