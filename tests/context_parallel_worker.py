@@ -119,9 +119,52 @@ def kernel_checks() -> dict:
     return out
 
 
+STEPS = 20
+
+
+def train(extra: list[str], shape: dict[str, int], initial=None):
+    """(initial host state, losses, {op: kernels}) of STEPS steps of the tiny model on a mesh of `shape`."""
+    from axcore.data import Split
+    from axcore.experiment import load_experiment
+    from axcore.kernels import describe_kernel_choices, record_kernel_choices
+    from axcore.trainer.trainer import Trainer
+
+    import tiny
+
+    overrides = [
+        *tiny.TINY, f"trainer.max_steps={STEPS}", "trainer.learner.schedule.warmup_steps=2",
+        "model.decoder.layer.self_attention.num_heads=4", "model.decoder.layer.self_attention.num_kv_heads=2",
+        f"mesh.mesh_shape=[{','.join(map(str, shape.values()))}]", f"mesh.mesh_axis_names=[{','.join(shape)}]", *extra,
+    ]
+    exp = load_experiment(None, overrides)
+    trainer = Trainer(exp, devices=jax.devices()[: math.prod(shape.values())])
+    state = trainer.init_state() if initial is None else jax.device_put(initial, trainer.state_shardings)
+    init = jax.device_get(state)
+    with record_kernel_choices() as choices:
+        step = trainer.compiled_train_step().lower(state, trainer.step.abstract_batch()).compile()
+    with trainer.op_environment():
+        shards = trainer.model.context_shards((exp.config.input.batch_size, exp.config.input.seq_len))
+    batches = exp.config.input.make_iterator(Split.TRAIN, trainer.tokenizer)
+    losses = []
+    for _ in range(STEPS):
+        state, metrics = step(state, jax.device_put(next(batches), trainer.batch_sharding))
+        losses.append(metrics["loss"])
+    return init, [float(x) for x in jax.device_get(losses)], describe_kernel_choices(choices), shards
+
+
+def training_runs() -> dict:
+    runs = {}
+    init, losses, kernels, shards = train([], {"data": 1})
+    runs["one_device"] = {"losses": losses, "reference": None, "kernels": kernels, "context_shards": shards}
+    ring = ["model.decoder.layer.self_attention.kernel=context_ring"]
+    _, losses, kernels, shards = train(ring, {"data": 2, "context": 4}, init)
+    runs["data2_context4_ring"] = {"losses": losses, "reference": "one_device", "kernels": kernels, "context_shards": shards}
+    return runs
+
+
 def main() -> None:
     start = time.time()
-    results = {"kernels": kernel_checks()}
+    results = {"kernels": {} if os.environ.get("SKIP_KERNELS") else kernel_checks(), "runs": training_runs()}
     results["seconds"] = time.time() - start
     print(json.dumps(results))
 
