@@ -239,13 +239,12 @@ class RingAttention(_ContextAttention):
         bounds = np.cumsum([0] + [length for _, length in q_chunks])
         accs = [_empty_acc(q5[:, bounds[i] : bounds[i + 1]]) for i in range(len(q_chunks))]
         fold = jax.checkpoint(functools.partial(_fold_block, problem))
-        block = (k, v, k_seg, k_mask)
-        perm = [(j, (j + 1) % shards) for j in range(shards)]
-        for step in range(shards):
-            source = (device - step) % shards  # Whose K/V block this device holds at this step.
-            if step < shards - 1:  # Issued before this step's compute, so XLA may overlap the two.
-                following = jax.tree.map(lambda x: jax.lax.ppermute(x, CONTEXT_AXIS, perm), block)
+
+        def fold_held(accs, block, step):
+            """`accs` with the K/V block this device holds at ring step `step` folded in."""
+            source = (device - step) % shards  # The device the block started on.
             k_blk, v_blk, k_seg_blk, k_mask_blk = block
+            accs = list(accs)
             for a, (q_start, q_len) in enumerate(q_chunks):
                 qs = slice(bounds[a], bounds[a + 1])
                 for b_start, b_len, ks in _key_chunks(source, local_len, shards, zigzag):
@@ -261,10 +260,21 @@ class RingAttention(_ContextAttention):
                     visible = _any_visible(problem, q_start, q_len, b_start, b_len)
                     if visible is None:
                         accs[a] = fold(accs[a], *operands)
-                    else:
+                    else:  # Causal block skipping: a block the mask hides entirely costs nothing.
                         accs[a] = jax.lax.cond(visible, fold, lambda acc, *_: acc, accs[a], *operands)
-            if step < shards - 1:
-                block = following
+            return tuple(accs)
+
+        perm = [(j, (j + 1) % shards) for j in range(shards)]
+
+        def ring_step(carry, step):
+            accs, block = carry
+            # The next block's ppermute does not depend on this step's compute, so XLA may overlap them.
+            following = jax.tree.map(lambda x: jax.lax.ppermute(x, CONTEXT_AXIS, perm), block)
+            return (fold_held(accs, block, step), following), None
+
+        # N - 1 steps that pass the block on, then the last block (one loop body, whatever N).
+        (accs, block), _ = jax.lax.scan(ring_step, (tuple(accs), (k, v, k_seg, k_mask)), jnp.arange(shards - 1))
+        accs = fold_held(accs, block, shards - 1)
         return jnp.concatenate([_finish(acc, q.dtype) for acc in accs], axis=1)
 
 
