@@ -195,6 +195,7 @@ def test_context_parallel_modifier_turns_on_above_a_sequence_length():
         _layout(68)
 
 
+@pytest.mark.slow
 def test_zigzag_reordered_model_input_keeps_the_loss(monkeypatch):
     """RoPE model, packed rows (positions restart per document): the loss with the batch reordered for
     4 context shards (the xla reference masking by original order) equals the natural-order loss
