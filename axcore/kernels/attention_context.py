@@ -3,7 +3,8 @@
 Under a mesh whose `context` axis shards the sequence dim of q, k and v, each device
 holds `T / N` consecutive *stored* positions (N = the axis size) and attention must not
 gather the whole sequence's scores. Two kernels of the `attention` op do it, chosen by
-the registry like any attention kernel (`is_supported`, then priority):
+the registry like any attention kernel (tried by priority, the first whose `is_supported`
+accepts runs). The all-gather threshold below is a guess, not yet measured on GPU or TPU:
 
 - `context_all_gather` (priority 30): gathers K and V (and their segment ids and key
   mask) over the axis, keeps the local queries: memory `[t_local, T]` scores per
