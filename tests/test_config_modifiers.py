@@ -280,7 +280,7 @@ def test_attention_kernel_choice_takes_effect():
 
 def test_attention_kernel_fails_naming_the_kernel_or_the_paths(exp):
     with pytest.raises(UnknownComponentError, match=r"attention_kernel\(kernel='xlaa', paths='\.\*'\): no attention "
-                                                    r"kernel named 'xlaa' \(did you mean 'xla'\?\); registered: xla"):
+                                                    r"kernel named 'xlaa' \(did you mean 'xla'\?\); registered: context_all_gather, context_ring, xla"):
         attention_kernel("xlaa")(exp.config, exp.registries)
     with pytest.raises(NoMatchError, match=r"paths match model\.decoder\.layer0\.feed_forward.*, but no attention layer"):
         attention_kernel("xla", paths=r".*feed_forward")(exp.config, exp.registries)
@@ -321,7 +321,7 @@ def test_compute_dtype_fails_naming_its_target(exp):
 
 def test_builtin_modifiers_are_registered(registries):
     assert registries.config_modifiers.names() == sorted(
-        ["attention_kernel", "compute_dtype", "mesh_shape", "microbatches", "remat"]
+        ["attention_kernel", "compute_dtype", "context_parallel", "mesh_shape", "microbatches", "remat"]
     )
     assert registries.config_modifiers.entry("remat").provenance.plugin == "axcore.experiment.config_modifiers"
 

@@ -36,7 +36,9 @@ def test_decisions_name_every_site_and_the_reasons_of_earlier_kernels():
     decisions = load_experiment("default", ["plugins=[fussy]"], objects=OBJECTS).kernel_decisions()
     attention = [d for d in decisions if d.op == "attention"]
     assert [d.site for d in attention] == [f"model.decoder.layer{i}.self_attention.attention" for i in range(4)]
-    assert {(d.kernel, d.declined) for d in attention} == {("xla", (("fussy", "wants an accelerator"),))}
+    no_context = "no 'context' mesh axis of size > 1"  # The built-in context-parallel kernels decline first.
+    declined = (("context_all_gather", no_context), ("context_ring", no_context), ("fussy", "wants an accelerator"))
+    assert {(d.kernel, d.declined) for d in attention} == {("xla", declined)}
     dots = [d for d in decisions if d.op == "dot"]
     assert len(dots) == 25 and {d.kernel for d in dots} == {"xla"}  # xla_cpu is opt-in.
 

@@ -22,6 +22,10 @@ then the position bias (ALiBi slopes `-slope_h * |i - j|` on positions, or
 `bias_fn(q_positions, kv_positions)`, or the dense bias), then the masks: causal
 (query i sees key j only if j <= i + kv_len - q_len), sliding window (and only if
 i + kv_len - q_len - j < window), segments and the key mask.
+
+With `extras[ZIGZAG_EXTRA] = N` (`axcore.kernels.attention_context`: the sequence is
+stored in zigzag order for N context shards; self-attention only) the causal and
+sliding-window masks compare the tokens' original indices instead of stored ones.
 """
 
 from __future__ import annotations
@@ -114,14 +118,41 @@ def position_bias(problem: AttentionProblem, q_positions, kv_positions) -> jax.A
     return None
 
 
+# Problem extra: the sequence is stored in zigzag order for this many context shards (see the module docstring).
+ZIGZAG_EXTRA = "context_zigzag"
+
+
+def zigzag_permutation(length: int, shards: int) -> np.ndarray:
+    """`perm` `[length]` int: stored position p holds original position `perm[p]`.
+
+    The sequence is cut into `2 * shards` chunks; stored block i (what device i of the
+    context axis holds) is chunk i followed by chunk `2 * shards - 1 - i`. One shard
+    is the identity. `length` must be a multiple of `2 * shards`.
+    """
+    if shards == 1:
+        return np.arange(length)
+    if length % (2 * shards):
+        raise ValueError(f"a sequence of {length} cannot be split in 2 * {shards} zigzag chunks")
+    chunks = np.arange(length).reshape(2 * shards, length // (2 * shards))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
+
+
 def attention_mask(problem: AttentionProblem, kv_mask=None, q_segment_ids=None, kv_segment_ids=None) -> jax.Array:
     """`[batch|1, 1, q_len, kv_len]` bool: which keys each query may attend."""
     t, s = problem.q_len, problem.kv_len
     allowed = jnp.ones((1, 1, t, s), bool)
-    if problem.causal:
-        allowed = allowed & causal_mask(t, s)[None, None]
-    if problem.sliding_window is not None:
-        allowed = allowed & sliding_window_mask(t, s, problem.sliding_window)[None, None]
+    shards = problem.extras.get(ZIGZAG_EXTRA, 1)
+    if shards > 1 and (problem.causal or problem.sliding_window is not None):
+        order = jnp.asarray(zigzag_permutation(t, shards))  # Original index of each stored position.
+        if problem.causal:
+            allowed = allowed & (order[None, None, None, :] <= order[None, None, :, None])
+        if problem.sliding_window is not None:
+            allowed = allowed & (order[None, None, :, None] - order[None, None, None, :] < problem.sliding_window)
+    else:
+        if problem.causal:
+            allowed = allowed & causal_mask(t, s)[None, None]
+        if problem.sliding_window is not None:
+            allowed = allowed & sliding_window_mask(t, s, problem.sliding_window)[None, None]
     if q_segment_ids is not None:
         allowed = allowed & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
     if kv_mask is not None:
@@ -143,7 +174,9 @@ class XlaAttention:
     def is_supported(self, problem: AttentionProblem) -> Support:
         if problem.num_heads % problem.num_kv_heads:
             return Support(False, "num_heads must be a multiple of num_kv_heads")
-        return unknown_extras(problem)
+        if problem.extras.get(ZIGZAG_EXTRA, 1) > 1 and problem.q_len != problem.kv_len:
+            return Support(False, "a zigzag-ordered sequence needs self-attention (q_len == kv_len)")
+        return unknown_extras(problem, (ZIGZAG_EXTRA,))
 
     def __call__(
         self,

@@ -1,6 +1,7 @@
 """Built-in plugin: the `dot`, `attention` and `rms_norm` ops (with their XLA reference kernels) and the XLA:CPU dot kernel."""
 
 from axcore.kernels.attention import ATTENTION
+from axcore.kernels.attention_context import CONTEXT_KERNELS
 from axcore.kernels.dot import DOT, XlaCpuDot
 from axcore.kernels.norm import RMS_NORM
 from axcore.markers import hookimpl
@@ -16,3 +17,9 @@ def axcore_register_ops(register):
 @hookimpl
 def axcore_register_kernels(register):
     register(DOT, XlaCpuDot())
+
+
+@hookimpl
+def axcore_register_attention_kernels(register):
+    for kernel in CONTEXT_KERNELS:
+        register(kernel)

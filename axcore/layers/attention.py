@@ -43,7 +43,8 @@ import jax.numpy as jnp
 
 from axcore.config import REQUIRED, InstantiableConfig, Length, Positive, Probability, Width
 from axcore.errors import ConfigError
-from axcore.kernels.attention import ATTENTION, AttentionProblem
+from axcore.kernels.attention import ATTENTION, ZIGZAG_EXTRA, AttentionProblem
+from axcore.kernels.attention_context import current_zigzag_shards
 from axcore.kernels.registry import current_environment
 from axcore.layers.base import BaseLayer, DotSite, with_fields
 from axcore.layers.position import PositionEmbedding
@@ -329,12 +330,15 @@ class MultiheadAttention(BaseLayer):
             elif type(embedding).attention_bias is not PositionEmbedding.attention_bias:
                 bias_fn = embedding.attention_bias
         dropout = cfg.dropout_rate if self.is_training else 0.0
+        extras = self.op_extras(ATTENTION)
+        if current_zigzag_shards() > 1:  # The sequence is in zigzag order (CausalLM's context load balancing).
+            extras = {**extras, ZIGZAG_EXTRA: current_zigzag_shards()}
         problem = AttentionProblem.of(
             q,
             k,
             mesh=current_environment().mesh,
             input_specs=self._input_specs((QKV_AXES["q"], q), (QKV_AXES["kv"], k), (QKV_AXES["kv"], v)),
-            extras=self.op_extras(ATTENTION),
+            extras=extras,
             scale=cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(self.head_dim),
             causal=cfg.causal and not masked_by_positions,
             sliding_window=None if masked_by_positions else cfg.sliding_window,

@@ -11,12 +11,16 @@ import jax.numpy as jnp
 from axcore.config import REQUIRED, Depth, InstantiableConfig, Length, NonNegative, Positive, Width
 from axcore.config.traversal import find
 from axcore.errors import ConfigError
+from axcore.kernels.attention import zigzag_permutation
+from axcore.kernels.attention_context import CONTEXT_AXIS, zigzag_layout
+from axcore.kernels.registry import current_environment
 from axcore.layers.attention import MultiheadAttention
 from axcore.layers.base import BaseLayer, with_fields
 from axcore.layers.basic import Embedding, Linear, RMSNorm
 from axcore.layers.position import LearnedPositionEmbedding
 from axcore.layers.transformer import RESIDUAL_AXES, StackedTransformer
 from axcore.module import no_context
+from axcore.platform.sharding import activation_spec
 
 AUX_LOSS = "aux_loss"
 # The batch fields `CausalLM.forward` reads (the names of `axcore.data.schema.BATCH_SCHEMA`, plus `kv_mask`).
@@ -86,6 +90,9 @@ class CausalLM(BaseLayer):
         scale_embeddings: bool = False
         # Final logit soft-cap c: logits = c * tanh(logits / c), in float32; None = none.
         logits_softcap: Annotated[float, Positive] | None = None
+        # In training, when the sequence is split over the `context` mesh axis, reorder each batch into the
+        # zigzag order (causal load balancing; docs/context_parallelism.md); no effect without that axis.
+        context_load_balance: bool = True
 
     @classmethod
     def default_config(cls):
@@ -199,6 +206,32 @@ class CausalLM(BaseLayer):
         return self._constrain(logits, LOGITS_AXES)
 
     @no_context
+    def context_shards(self, shape: tuple[int, int]) -> int:
+        """How many ways the traced mesh's `context` axis splits a `[batch, seq]` batch's sequence (1: not split)."""
+        env = current_environment()
+        if env.mesh is None:
+            return 1
+        spec = activation_spec(RESIDUAL_AXES, (*shape, self._config.dim), env.axis_rules, env.mesh)
+        seq = spec[1] if len(spec) > 1 else None
+        return int(env.mesh.shape[CONTEXT_AXIS]) if seq == CONTEXT_AXIS else 1
+
+    def zigzag_batch(self, input_batch: dict, shards: int) -> dict:
+        """Every `[batch, seq]` field in the zigzag order for `shards` context shards (`zigzag_permutation`),
+        `positions` (default `arange(seq)`) included, so position embeddings see the real positions and
+        the token-weighted loss is unchanged (labels and weights move with their tokens)."""
+        length = input_batch["input_ids"].shape[1]
+        if length % (2 * shards):
+            raise ConfigError(
+                f"{self.path}: a sequence of {length} tokens split over the '{CONTEXT_AXIS}' mesh axis ({shards}) "
+                f"with load balancing needs a multiple of 2 * {shards}; change input.seq_len, or set "
+                f"model.context_load_balance: false."
+            )
+        batch = dict(input_batch)
+        batch.setdefault("positions", jnp.broadcast_to(jnp.arange(length), input_batch["input_ids"].shape))
+        perm = zigzag_permutation(length, shards)
+        return {name: jnp.take(value, perm, axis=1) for name, value in batch.items()}
+
+    @no_context
     def accepted_batch_fields(self) -> frozenset[str]:
         """Names of the batch fields `forward` reads: every `axcore.data.schema.BATCH_SCHEMA`
         field plus `kv_mask`. The trainer checks the input pipeline's schema against it
@@ -230,16 +263,20 @@ class CausalLM(BaseLayer):
                 f"{self.path}: the input batch has fields {unknown} that {type(self).__name__}.forward does not "
                 f"read (it reads {sorted(self.accepted_batch_fields())}); drop them or use a model that takes them."
             )
+        shards = self.context_shards(input_batch["input_ids"].shape) if self._config.context_load_balance else 1
+        if shards > 1:
+            input_batch = self.zigzag_batch(input_batch, shards)
         labels = input_batch["target_labels"]
         weights = input_batch.get("target_weights")
         if weights is None:
             weights = (labels >= 0).astype(jnp.float32)
-        logits = self.logits(
-            input_batch["input_ids"],
-            positions=input_batch.get("positions"),
-            kv_mask=input_batch.get("kv_mask"),
-            segment_ids=input_batch.get("segment_ids"),
-        )
+        with zigzag_layout(shards):
+            logits = self.logits(
+                input_batch["input_ids"],
+                positions=input_batch.get("positions"),
+                kv_mask=input_batch.get("kv_mask"),
+                segment_ids=input_batch.get("segment_ids"),
+            )
         loss, metrics = cross_entropy(logits, jnp.maximum(labels, 0), weights, self._config.z_loss_scale)
         aux = sum_aux_losses(self.output_collection.module_outputs)
         metrics["aux_loss"] = aux

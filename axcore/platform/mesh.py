@@ -38,6 +38,11 @@ from typing import Any
 from axcore.errors import AxcoreError
 from axcore.markers import hookimpl
 
+# Mesh axis names with a meaning beyond the axis rules. `context`: the sequence is split over it and
+# attention runs through the context-parallel kernels (axcore.kernels.attention_context, which names
+# it too; docs/context_parallelism.md).
+CONTEXT_AXIS = "context"
+
 # A config modifier takes a config tree and returns a new one (never edits in place).
 ConfigModifier = Callable[[Any], Any]
 

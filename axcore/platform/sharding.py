@@ -7,7 +7,7 @@ logical axis by the mesh rule's `axis_rules` (`mesh.axis_rules`; `resolve_rules`
 
     logical axis   meaning                                   default mesh axes
     batch          examples of a batch (activations, input)  (data, fsdp)
-    seq            sequence positions (activations)          sequence
+    seq            sequence positions (activations)          (context, sequence)
     embed          model dimension                           fsdp
     heads          query heads                               tensor
     kv_heads       key/value heads                           tensor
@@ -21,6 +21,11 @@ A logical axis that no rule names, or None, is replicated. Mesh axes absent from
 mesh are dropped, so the one table serves every mesh (a `[data]` mesh shards only
 the batch). A rule value is a mesh axis name, a list of them (the dimension is split
 over their product, major to minor), or None.
+
+The two sequence axes differ in who computes attention: `sequence` leaves it to GSPMD
+(XLA partitions the reference attention as it sees fit), while `context` is context
+parallelism: the `context_ring` / `context_all_gather` attention kernels run over it
+and the causal LM reorders its batch for load balancing (docs/context_parallelism.md).
 
 Parameters are strict (`logical_to_spec`): a dimension whose size does not divide
 the product of its mesh axes, or a mesh axis named by two dimensions of one spec,
@@ -49,7 +54,7 @@ AxisRules = Mapping[str, "str | Sequence[str] | None"]
 # Logical axis -> mesh axis (or axes, major to minor; None = replicated) when the mesh rule does not map it.
 DEFAULT_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),
-    "seq": "sequence",
+    "seq": ("context", "sequence"),
     "embed": "fsdp",
     "heads": "tensor",
     "kv_heads": "tensor",

@@ -107,6 +107,7 @@ BUILTIN_PLUGINS = (
     "axcore.kernels.plugin",
     "axcore.platform.mesh",
     "axcore.experiment.config_modifiers",
+    "axcore.experiment.context_modifiers",
     "axcore.data.plugin",
     "axcore.checkpoint.plugin",
     "axcore.trainer.plugin",

@@ -124,7 +124,8 @@ def test_without_a_cuda_device_it_declines_and_axcore_falls_back_to_the_next_ker
     support = CudnnAttention().is_supported(gpu_problem())
     assert not support and "no CUDA device" in support.reason
     kernels = create_plugin_manager(["gpu"], objects={"gpu": axcore_gpu.plugin}).registries.kernels
-    assert [k.name for k in kernels.candidates(ATTENTION)] == ["cudnn", "pallas", "xla"]  # By priority.
+    # By priority (the context-parallel kernels are built in; they decline unless a context axis splits the sequence).
+    assert [k.name for k in kernels.candidates(ATTENTION)] == ["cudnn", "pallas", "context_all_gather", "context_ring", "xla"]
     assert kernels.select(ATTENTION, gpu_problem()).name == "pallas"
     assert kernels.select(ATTENTION, gpu_problem(platform="cpu")).name == "xla"
 

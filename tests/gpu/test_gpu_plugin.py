@@ -137,7 +137,7 @@ def test_plugin_registers_cudnn_then_pallas_then_the_reference():
 
     kernels = create_plugin_manager(["gpu"], objects={"gpu": axcore_gpu.plugin}).registries.kernels
     order = [kernel.name for kernel in kernels.candidates("attention")]
-    assert order == ["cudnn", "pallas", "xla"]
+    assert order == ["cudnn", "pallas", "context_all_gather", "context_ring", "xla"]  # The context kernels are built in.
 
 
 def test_kernel_decisions_for_a_gpu_selector_name_the_declines():

@@ -83,19 +83,24 @@ def _run(layer, params, inputs):
     return np.asarray(out)
 
 
+# The built-in context-parallel kernels (they decline every problem without a `context` mesh axis).
+CONTEXT = ("context_all_gather", "context_ring")
+
+
 # -- Selection -------------------------------------------------------------------------------
 
 
-def test_builtin_registries_have_only_the_xla_attention_kernel():
+def test_builtin_registries_have_the_xla_and_the_context_parallel_attention_kernels():
     registries = axcore.create_plugin_manager().registries
-    assert [k.name for k in registries.kernels.candidates(ATTENTION)] == ["xla"]
+    # The context kernels decline every problem whose sequence is not split over a `context` mesh axis.
+    assert [k.name for k in registries.kernels.candidates(ATTENTION)] == ["context_all_gather", "context_ring", "xla"]
     assert registries.kernels.select(ATTENTION, _problem()).name == "xla"
 
 
 def test_higher_priority_supported_kernel_is_selected_and_used_by_the_layer():
     fake = FakeKernel(priority=10)
     registries = _registries(fake)
-    assert [k.name for k in registries.kernels.candidates(ATTENTION)] == ["fake", "xla"]
+    assert [k.name for k in registries.kernels.candidates(ATTENTION) if k.name not in CONTEXT] == ["fake", "xla"]
     assert registries.kernels.select(ATTENTION, _problem()) is fake
     layer, params = _attention(registries)
     x = _x()
@@ -137,7 +142,7 @@ def test_declining_kernel_falls_back_to_xla_and_logs_why(caplog):
 def test_lower_priority_kernel_loses_to_xla():
     fake = FakeKernel(priority=-1)
     registries = _registries(fake)
-    assert [k.name for k in registries.kernels.candidates(ATTENTION)] == ["xla", "fake"]
+    assert [k.name for k in registries.kernels.candidates(ATTENTION) if k.name not in CONTEXT] == ["xla", "fake"]
     assert registries.kernels.select(ATTENTION, _problem()).name == "xla"
 
 
@@ -148,7 +153,7 @@ def test_priority_ties_are_broken_by_name_not_registration_order(order):
         list(order), objects={name: KernelPlugin(kernel) for name, kernel in kernels.items()}
     )
     registries = pm.registries
-    assert [k.name for k in registries.kernels.candidates(ATTENTION)] == ["alpha", "beta", "xla"]
+    assert [k.name for k in registries.kernels.candidates(ATTENTION) if k.name not in CONTEXT] == ["alpha", "beta", "xla"]
     assert registries.kernels.select(ATTENTION, _problem()) is kernels["alpha"]
     # Same with a bare registry, registering in the given order.
     registry = KernelRegistry()

@@ -157,9 +157,10 @@ def test_remat_needs_transformer_layers():
 
 
 def test_the_kernel_registry_keeps_the_xla_reference_for_attention():
-    # No NKI kernel is registered (README): attention resolves to the reference under a Trainium layout.
+    # No NKI kernel is registered (README): attention resolves to the reference under a Trainium layout
+    # (the built-in context-parallel kernels decline: no context axis).
     exp = load_experiment(None, ["plugins=[neuron]", "mesh.instance_type=neuron-trn2-16"], objects=OBJECTS)
-    assert [k.name for k in exp.registries.kernels.candidates("attention")] == ["xla"]
+    assert [k.name for k in exp.registries.kernels.candidates("attention")] == ["context_all_gather", "context_ring", "xla"]
     assert list(exp.kernel_choices()["attention"]) == ["xla"]
 
 

@@ -78,7 +78,10 @@ def test_import_and_tpu_resolution_probe_no_device():
 
 def test_plugin_registers_kernels_rules_and_modifiers():
     registries = create_plugin_manager(["tpu"], objects=OBJECTS).registries
-    assert [k.name for k in registries.kernels.candidates("attention")] == ["splash", "pallas_tpu", "xla"]
+    # The built-in context-parallel kernels rank between the TPU kernels and the reference.
+    assert [k.name for k in registries.kernels.candidates("attention")] == [
+        "splash", "pallas_tpu", "context_all_gather", "context_ring", "xla"
+    ]
     tpu_rules = sorted(r for r in registries.mesh_rules if r.startswith("tpu"))
     assert tpu_rules == ["tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"]
     assert {"remat_offload", "int8_dot"} <= set(registries.config_modifiers.names())
