@@ -38,7 +38,8 @@ unpipelined run's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
 import jax
@@ -46,7 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from axcore.config import Configurable, Positive
+from axcore.config import ConfigBase, Configurable, Positive
+from axcore.config.traversal import find
 from axcore.errors import ConfigError
 
 # The mesh axis that pipeline stages are laid out on.
@@ -177,6 +179,41 @@ def checked_table(schedule: PipelineSchedule, num_stages: int, num_units: int, w
     return table
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """A configured pipeline on a mesh: its schedule's shape and bubble."""
+
+    # Config path of the schedule (e.g. `model.decoder.pipeline`).
+    path: str
+    # The schedule's class name (e.g. GPipe).
+    schedule: str
+    # S, M, V and T (steps of the table).
+    stages: int
+    microbatches: int
+    repeats: int
+    steps: int
+    # Idle slots / all slots of the table.
+    bubble: float
+
+    def describe(self) -> str:
+        return (f"{self.path}: {self.schedule}, {self.stages} stages x {self.microbatches} microbatches x "
+                f"{self.repeats} repeats in {self.steps} steps, bubble {self.bubble:.4f} (idle slots / all slots)")
+
+
+def pipeline_plans(model: ConfigBase, mesh_axes: Mapping[str, int], prefix: str = "model") -> list[PipelinePlan]:
+    """The pipelines a model config runs on a mesh of `mesh_axes` (axis name -> size); none without stages."""
+    stages = int(mesh_axes.get(STAGE_AXIS, 1))
+    if stages <= 1:
+        return []
+    plans = []
+    for path, cfg in find(model, PipelineSchedule):
+        schedule = cfg.instantiate()
+        table = schedule.table(stages)
+        plans.append(PipelinePlan(f"{prefix}.{path}", type(schedule).__name__, stages, schedule.microbatches,
+                                  schedule.repeats, table.shape[0], bubble_fraction(table)))
+    return plans
+
+
 def run_pipeline(
     stage_fn: Callable[[Any, jax.Array, Any, jax.Array], jax.Array],
     params: Any,
@@ -186,6 +223,7 @@ def run_pipeline(
     *,
     mesh: Any,
     repeats: int,
+    unroll: bool = False,
 ) -> jax.Array:
     """Runs `stage_fn` over the stages as the schedule `table` says; returns the last stage's outputs.
 
@@ -198,6 +236,7 @@ def run_pipeline(
         table: the schedule `[T, S, 2]` (`check_table`).
         mesh: a mesh (or abstract mesh) with a `stage` axis of size S.
         repeats: V, layer groups per stage.
+        unroll: unroll the loop over the table's steps (for FLOP counts; see axcore.cli.compile).
 
     Returns:
         `[M, mb, ...]`: every microbatch after all layer groups, replicated over `stage`.
@@ -211,7 +250,10 @@ def run_pipeline(
     ring = [(i, (i + 1) % num_stages) for i in range(num_stages)]
     schedule = jnp.asarray(table)
 
+    dtype = x.dtype
+
     def body(grouped, x, inputs):
+        x = x.astype(dtype)
         grouped = jax.tree.map(lambda p: p[:, 0], grouped)  # This stage's groups: [V, k, ...].
         stage = jax.lax.axis_index(STAGE_AXIS)
 
@@ -233,9 +275,10 @@ def run_pipeline(
             return (received, buf, out), None
 
         init = (jnp.zeros_like(x[0]), x, jnp.zeros_like(x))
-        (_, _, out), _ = jax.lax.scan(step, init, schedule)
+        (_, _, out), _ = jax.lax.scan(step, init, schedule, unroll=unroll)
         # Only the last stage holds the outputs: a sum over stages replicates them.
-        return jax.lax.psum(jnp.where(stage == num_stages - 1, out, jnp.zeros_like(out)), STAGE_AXIS)
+        last = jnp.where(stage == num_stages - 1, out, jnp.zeros_like(out)).astype(jnp.float32)
+        return jax.lax.psum(last, STAGE_AXIS)
 
     param_specs = jax.tree.map(lambda _: P(None, STAGE_AXIS), grouped)
     input_specs = jax.tree.map(lambda _: P(), inputs)
@@ -243,7 +286,10 @@ def run_pipeline(
         body, mesh=mesh, in_specs=(param_specs, P(), input_specs), out_specs=P(), axis_names={STAGE_AXIS},
         check_vma=False,
     )
-    return run(grouped, x, inputs)
+    # The activations cross the shard_map boundary in float32, so that the all-reduces over `stage` there (the
+    # outputs' sum, the inputs' gradient) are float32: XLA's CPU all-reduce promotion fails on bfloat16 ones
+    # inside a partially manual computation.
+    return run(grouped, x.astype(jnp.float32), inputs).astype(dtype)
 
 
 def split_microbatches(x: jax.Array, microbatches: int, where: str) -> jax.Array:
@@ -260,6 +306,6 @@ def merge_microbatches(x: jax.Array) -> jax.Array:
 
 
 __all__ = [
-    "STAGE_AXIS", "Circular", "GPipe", "PipelineSchedule", "bubble_fraction", "check_table", "checked_table",
-    "merge_microbatches", "run_pipeline", "split_microbatches", "stage_count", "wavefront_table",
+    "STAGE_AXIS", "Circular", "GPipe", "PipelinePlan", "PipelineSchedule", "bubble_fraction", "check_table", "checked_table",
+    "merge_microbatches", "pipeline_plans", "run_pipeline", "split_microbatches", "stage_count", "wavefront_table",
 ]

@@ -295,7 +295,8 @@ class RepeatedTransformer(BaseLayer):
         # jax.checkpoint_policies name, e.g. "nothing_saveable" or "dots_saveable".
         remat_policy: str | None = None
         # Units per scan iteration (lax.scan's unroll): 1 keeps compile time flat in
-        # depth; larger trades compile time for less loop overhead per step.
+        # depth; larger trades compile time for less loop overhead per step (>= the units:
+        # a pipeline's loop over its schedule's steps is unrolled too).
         unroll: Annotated[int, Depth] = 1
         # Pipeline schedule over the mesh's `stage` axis (e.g. {type: gpipe, microbatches: 4}; see
         # axcore.layers.pipeline); None, or a mesh without a stage axis, = the plain scan.
@@ -399,7 +400,7 @@ class RepeatedTransformer(BaseLayer):
 
         out = run_pipeline(
             stage_fn, (ctx.state.get("layer", {}), key_data), split_microbatches(x, m, where), arrays, table,
-            mesh=mesh, repeats=schedule.repeats,
+            mesh=mesh, repeats=schedule.repeats, unroll=self._config.unroll >= self.repeats,
         )
         return merge_microbatches(out)
 
