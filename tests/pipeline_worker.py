@@ -3,13 +3,14 @@
 Run with `XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu`. Trains the
 tiny scanned decoder (8 layers) for `STEPS` steps on one device without a pipeline (the
 reference) and with pipelines over several meshes (GPipe, circular, and a schedule a plugin
-object registers through `axcore_register_pipeline_schedules`), all from the reference's
-initial state on the same batches. Then restores across a change of stage count: the
+object registers through `axcore_register_pipeline_schedules`; one circular run also
+accumulates gradients over 2 microbatches and rematerializes every layer), all from the
+reference's initial state on the same batches. Then restores across a change of stage count: the
 stage-4 run's final state is saved and restored on one device (no stage axis), trained
 `MORE` steps there, saved, restored on the stage-4 mesh and trained `MORE` steps on both.
 Prints one JSON object on the last line of stdout:
 
-    {"runs": {name: {"losses": [...], "reference": name or null, "layer_spec": str}},
+    {"runs": {name: {"losses": [...], "reference": name or null, "layer_spec": str, "log": [pipeline lines]}},
      "restore": {"to_1_equal": bool, "back_to_4_equal": bool, "spec_on_1": str, "spec_on_4": str,
                  "losses_1": [...], "losses_4": [...]},
      "seconds": {name: float}}
@@ -17,6 +18,7 @@ Prints one JSON object on the last line of stdout:
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -45,6 +47,9 @@ BASE = [*tiny.TINY, "model.num_layers=8", "input.batch_size=8", f"trainer.max_st
         "trainer.learner.schedule.warmup_steps=2"]
 GPIPE = ["model.decoder.pipeline={type: gpipe, microbatches: 4}"]
 CIRCULAR = ["model.decoder.pipeline={type: circular, microbatches: 4, repeats: 2}"]
+# Circular with gradient accumulation (2 accumulation steps of 4 rows, each 2 pipeline microbatches) and full remat.
+CIRCULAR_ACCUMULATED = ["model.decoder.pipeline={type: circular, microbatches: 2, repeats: 2}", "trainer.microbatches=2",
+                        "model.decoder.remat_policy=nothing_saveable"]
 ONE_AT_A_TIME = ["plugins=[one_at_a_time]", "model.decoder.pipeline={type: one_at_a_time, microbatches: 2}"]
 
 
@@ -75,8 +80,11 @@ class Run:
     """A trainer on a mesh of `shape` with its compiled step."""
 
     def __init__(self, extra, shape):
-        self.trainer = Trainer(experiment(extra, shape), devices=jax.devices()[: math.prod(shape.values())])
-        self.step = self.trainer.compiled_train_step()
+        self.log = io.StringIO()
+        self.trainer = Trainer(experiment(extra, shape), devices=jax.devices()[: math.prod(shape.values())],
+                               stream=self.log)
+        # Compiled ahead as `Trainer.run` does (its log names the pipeline); the first call hits JAX's cache.
+        self.step = self.trainer._compile_train_step()
 
     def train(self, state, batches):
         losses = []
@@ -121,7 +129,8 @@ def main() -> None:
         ("stage4_data2_gpipe", GPIPE, {"stage": 4, "data": 2}, "single"),
         ("stage4_data2_circular", CIRCULAR, {"stage": 4, "data": 2}, "single"),
         ("stage2_fsdp2_tensor2_gpipe", GPIPE, {"stage": 2, "fsdp": 2, "tensor": 2}, "single"),
-        ("stage2_fsdp2_tensor2_circular", CIRCULAR, {"stage": 2, "fsdp": 2, "tensor": 2}, "single"),
+        ("stage2_fsdp2_tensor2_circular_accumulated_remat", CIRCULAR_ACCUMULATED, {"stage": 2, "fsdp": 2, "tensor": 2},
+         "single"),
         ("stage4_data2_one_at_a_time", ONE_AT_A_TIME, {"stage": 4, "data": 2}, "single"),
     ]
     runs, seconds, trained = {}, {}, {}
@@ -134,7 +143,8 @@ def main() -> None:
         run = single if name == "single" else Run(extra, shape)
         state, losses = run.train(run.place(init), batches[:STEPS])
         seconds[name] = round(time.perf_counter() - t0, 2)
-        runs[name] = {"mesh": shape, "losses": losses, "reference": reference, "layer_spec": layer_spec(state)}
+        runs[name] = {"mesh": shape, "losses": losses, "reference": reference, "layer_spec": layer_spec(state),
+                      "log": [line for line in run.log.getvalue().splitlines() if line.startswith("Pipeline")]}
         trained[name] = (run, state)
     # Restore across stage counts: 4 -> 1 -> 4 (the unsplit stacked layout in the checkpoint).
     t0 = time.perf_counter()

@@ -28,7 +28,7 @@ WORKER = pathlib.Path(__file__).parent / "pipeline_worker.py"
 # Relative loss difference allowed at every one of the 20 steps (float32).
 RTOL = 1e-5
 PIPELINED = ["stage4_data2_gpipe", "stage4_data2_circular", "stage2_fsdp2_tensor2_gpipe",
-             "stage2_fsdp2_tensor2_circular", "stage4_data2_one_at_a_time"]
+             "stage2_fsdp2_tensor2_circular_accumulated_remat", "stage4_data2_one_at_a_time"]
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,17 @@ def test_pipeline_matches_single_device_every_step(results, name):
     # The stacked layers are split over the stages (leading `layers` dim on the stage axis), one device holds all.
     assert run["layer_spec"].startswith("P('stage'")
     assert "stage" not in results["runs"]["single"]["layer_spec"]
+
+
+@pytest.mark.slow
+def test_train_start_logs_the_bubble(results):
+    # GPipe, S = 4, M = 4: (S-1)/(M+S-1) = 3/7; circular, S = 2, M = 2, V = 2: 1/5.
+    [line] = results["runs"]["stage4_data2_gpipe"]["log"]
+    assert "model.decoder.pipeline: GPipe, 4 stages x 4 microbatches x 1 repeats in 7 steps" in line
+    assert f"bubble {3 / 7:.4f}" in line
+    [line] = results["runs"]["stage2_fsdp2_tensor2_circular_accumulated_remat"]["log"]
+    assert f"in 5 steps, bubble {1 / 5:.4f}" in line
+    assert results["runs"]["single"]["log"] == []
 
 
 @pytest.mark.slow
@@ -137,6 +148,18 @@ def test_a_plugin_adds_a_schedule_that_the_modifier_and_report_use():
     assert (plan.path, plan.stages, plan.microbatches, plan.steps) == ("model.decoder.pipeline", 2, 3, 4)
     assert plan.bubble == pytest.approx(1 / 4)
     assert pipeline_plans(exp.config.model, {"data": 8}) == []  # No stage axis: no pipeline.
+
+
+def test_compile_report_gives_the_bubble(monkeypatch):
+    from axcore.cli import compile as compile_cli
+
+    exp = load_experiment("scan", [*tiny.TINY, "mesh.instance_type=cpu-8",
+                                   "model.decoder.pipeline={type: circular, microbatches: 8, repeats: 3}"])
+    step = compile_cli.CompiledStep(None, {}, 0, 0.0, 0.0, 8, {"stage": 4, "data": 2})
+    monkeypatch.setattr(compile_cli, "compile_step", lambda experiment: step)
+    report = compile_cli.compile_report(exp)
+    assert report["pipeline_bubble"] == pytest.approx(3 / (3 * 8 + 3), abs=1e-6)
+    assert "Circular, 4 stages x 8 microbatches x 3 repeats in 27 steps" in report["notes"]["pipeline_bubble"]
 
 
 def test_pipeline_modifier_refuses_unknown_schedules_and_stackless_models():

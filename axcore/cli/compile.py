@@ -28,6 +28,12 @@ compiles on a CPU-only machine (e.g. with 8 forced host devices). The report:
   flops_per_step / model_flops_per_step: about 1 for a dense decoder, about 1.27
   with the layers rematerialized (the forward runs twice), below 1 for a mixture of
   experts (N_matmul counts every expert, a token uses top_k of them).
+- `pipeline_bubble`: for a layer stack pipelined over the mesh's `stage` axis
+  (`axcore.layers.pipeline`), the idle fraction of its schedule's slots, e.g.
+  (S-1)/(M+S-1) for GPipe. Idle slots still compute (on discarded data), so the
+  corrected FLOPs of a pipelined step are about 1 / (1 - bubble) times the dense
+  count; the correction's unrolled compiles use a multiple of stages x repeats
+  layers (the fewest the stack splits into) and unroll the schedule's loop too.
 """
 
 from __future__ import annotations
