@@ -321,7 +321,7 @@ def test_compute_dtype_fails_naming_its_target(exp):
 
 def test_builtin_modifiers_are_registered(registries):
     assert registries.config_modifiers.names() == sorted(
-        ["attention_kernel", "compute_dtype", "context_parallel", "mesh_shape", "microbatches", "remat"]
+        ["attention_kernel", "compute_dtype", "context_parallel", "mesh_shape", "microbatches", "pipeline", "remat"]
     )
     assert registries.config_modifiers.entry("remat").provenance.plugin == "axcore.experiment.config_modifiers"
 

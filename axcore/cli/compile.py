@@ -28,6 +28,12 @@ compiles on a CPU-only machine (e.g. with 8 forced host devices). The report:
   flops_per_step / model_flops_per_step: about 1 for a dense decoder, about 1.27
   with the layers rematerialized (the forward runs twice), below 1 for a mixture of
   experts (N_matmul counts every expert, a token uses top_k of them).
+- `pipeline_bubble`: for a layer stack pipelined over the mesh's `stage` axis
+  (`axcore.layers.pipeline`), the idle fraction of its schedule's slots, e.g.
+  (S-1)/(M+S-1) for GPipe. Idle slots still compute (on discarded data), so the
+  corrected FLOPs of a pipelined step are about 1 / (1 - bubble) times the dense
+  count; the correction's unrolled compiles use a multiple of stages x repeats
+  layers (the fewest the stack splits into) and unroll the schedule's loop too.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ import jax
 from axcore.cli.common import overrides
 from axcore.errors import AxcoreError
 from axcore.experiment.loading import Experiment, load_experiment
+from axcore.layers.pipeline import STAGE_AXIS, pipeline_plans
+from axcore.platform.sharding import resolve_mesh_shape
 
 DEVICE_MEMORY_FLAG = "--device-memory"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -191,15 +199,27 @@ def compile_step(experiment: Experiment) -> CompiledStep:
 
 
 def layers_per_unit(experiment: Experiment) -> int:
-    """Layers per scanned unit: the lcm over the model's repeated_transformer stacks (1 if none)."""
+    """Layers per scanned unit: the lcm over the model's repeated_transformer stacks (1 if none); a pipelined
+    stack's unit is stages x repeats of them (the fewest layers it can split into its stages)."""
     from axcore.config.traversal import find
     from axcore.layers.transformer import RepeatedTransformer
 
+    stages = mesh_axes(experiment).get(STAGE_AXIS, 1)
     units = [1]
     for _, stack in find(experiment.config.model, RepeatedTransformer):
         unit = stack.layer
-        units.append(unit.num_layers if "num_layers" in unit.keys() and isinstance(unit.num_layers, int) else 1)
+        layers = unit.num_layers if "num_layers" in unit.keys() and isinstance(unit.num_layers, int) else 1
+        if stack.pipeline is not None and stages > 1:
+            layers *= stages * stack.pipeline.instantiate().repeats
+        units.append(layers)
     return math.lcm(*units)
+
+
+def mesh_axes(experiment: Experiment) -> dict[str, int]:
+    """Mesh axis name -> size of the experiment's mesh over JAX's devices."""
+    mesh = experiment.config.mesh
+    shape = resolve_mesh_shape(mesh.mesh_shape, jax.device_count())
+    return dict(zip(mesh.mesh_axis_names, shape))
 
 
 def with_layers(experiment: Experiment, num_layers: int) -> Experiment:
@@ -291,6 +311,10 @@ def compile_report(experiment: Experiment) -> dict[str, Any]:
         notes["flops_per_device"] = f"{format_count(flops)}; {how}"
         report["flops_per_step"] = int(flops * step.devices)
         notes["flops_per_step"] = f"{format_count(flops * step.devices)}; flops_per_device x {step.devices} devices"
+    for i, plan in enumerate(pipeline_plans(cfg.model, step.mesh)):
+        key = "pipeline_bubble" if i == 0 else f"pipeline_bubble_{i}"
+        report[key] = round(plan.bubble, 6)
+        notes[key] = plan.describe()
     analytic = model_flops(experiment, counts)
     if analytic is not None:
         report["model_flops_per_step"] = analytic["total"]

@@ -22,6 +22,10 @@ entries of an experiment's `mesh_rules[i].modifiers`):
 - `attention_kernel(kernel, paths=".*")`: `kernels: {attention: KERNEL}` on the
   attention layers whose module path matches; KERNEL must be a registered
   attention kernel.
+- `pipeline(schedule="gpipe", microbatches=4, repeats=None)`: `pipeline` of every
+  scanned layer stack (`repeated_transformer`): the registered pipeline schedule
+  `schedule` over the mesh's `stage` axis (`axcore.layers.pipeline`); `repeats` is
+  the circular schedule's layer groups per stage.
 - `compute_dtype(compute="bfloat16", params=None, override=True)`: the model's
   compute dtype; `params=None` leaves the parameter dtype (float32 master weights
   unless the experiment chose another).
@@ -285,6 +289,38 @@ def attention_kernel(kernel: str, paths: str = ".*") -> Modifier:
     return dataclasses.replace(this, fn=fn)
 
 
+def pipeline(schedule: str = "gpipe", microbatches: int = 4, repeats: int | None = None) -> Modifier:
+    """Sets `pipeline` of every scanned layer stack to the registered schedule `schedule` (module docstring)."""
+    arguments = {"schedule": schedule, "microbatches": microbatches} | ({} if repeats is None else {"repeats": repeats})
+    this = Modifier("pipeline", arguments)
+
+    def fn(self: Modifier, config: Any, registries: Any) -> Any:
+        from axcore.config.traversal import find
+        from axcore.layers.transformer import RepeatedTransformer
+
+        registries = registries if registries is not None else _builtin_registries()
+        if schedule not in registries.pipeline_schedules:
+            names = list(registries.pipeline_schedules)
+            raise UnknownComponentError(
+                f"Config modifier {self}: no pipeline schedule named '{schedule}'{did_you_mean(schedule, names)}; "
+                f"registered: {', '.join(names)}."
+            )
+        stacks = [path for path, _ in find(_field(self, config, "model"), RepeatedTransformer)]
+        if not stacks:
+            raise NoMatchError(f"Config modifier {self}: the model has no scanned layer stack (repeated_transformer).")
+        sched = registries.pipeline_schedules[schedule].default_config().set(microbatches=microbatches)
+        if repeats is not None:
+            if "repeats" not in sched.keys():
+                raise ConfigError(f"Config modifier {self}: schedule '{schedule}' takes no repeats.")
+            sched.repeats = repeats
+        new = config.clone()
+        for path in stacks:
+            get_path(new.model, path).pipeline = sched.clone()
+        return new
+
+    return dataclasses.replace(this, fn=fn)
+
+
 def compute_dtype(compute: str = "bfloat16", params: str | None = None, override: bool = True) -> Modifier:
     """Sets `model.compute_dtype` (and `model.param_dtype` if `params`); override=False keeps ones the experiment set."""
     arguments = {"compute": compute} | ({} if params is None else {"params": params}) | ({} if override else {"override": False})
@@ -319,6 +355,7 @@ BUILTIN_MODIFIERS = {
     "microbatches": microbatches,
     "attention_kernel": attention_kernel,
     "compute_dtype": compute_dtype,
+    "pipeline": pipeline,
 }
 
 

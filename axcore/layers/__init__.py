@@ -5,6 +5,7 @@ from axcore.layers.base import BaseLayer, with_fields
 from axcore.layers.basic import Embedding, LayerNorm, Linear, RMSNorm
 from axcore.layers.feed_forward import Activation, FeedForward
 from axcore.layers.lm import CausalLM, cross_entropy, sum_aux_losses
+from axcore.layers.pipeline import Circular, GPipe, PipelineSchedule
 from axcore.layers.position import LearnedPositionEmbedding, PositionEmbedding
 from axcore.layers.transformer import RepeatedTransformer, StackedTransformer, TransformerLayer
 
@@ -12,12 +13,15 @@ __all__ = [
     "Activation",
     "BaseLayer",
     "CausalLM",
+    "Circular",
     "Embedding",
     "FeedForward",
+    "GPipe",
     "LayerNorm",
     "LearnedPositionEmbedding",
     "Linear",
     "MultiheadAttention",
+    "PipelineSchedule",
     "PositionEmbedding",
     "RMSNorm",
     "RepeatedTransformer",

@@ -4,6 +4,7 @@ from axcore.layers.attention import MultiheadAttention
 from axcore.layers.basic import Embedding, LayerNorm, Linear, RMSNorm
 from axcore.layers.feed_forward import FeedForward
 from axcore.layers.lm import CausalLM
+from axcore.layers.pipeline import Circular, GPipe
 from axcore.layers.position import LearnedPositionEmbedding
 from axcore.layers.transformer import RepeatedTransformer, StackedTransformer, TransformerLayer
 from axcore.markers import hookimpl
@@ -31,3 +32,9 @@ def axcore_register_layers(register):
 @hookimpl
 def axcore_register_position_embeddings(register):
     register("learned_position_embedding", LearnedPositionEmbedding)
+
+
+@hookimpl
+def axcore_register_pipeline_schedules(register):
+    register("gpipe", GPipe)
+    register("circular", Circular)

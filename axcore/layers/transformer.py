@@ -38,10 +38,19 @@ import jax.numpy as jnp
 from axcore.config import REQUIRED, Depth, InstantiableConfig, Probability, Width
 from axcore.config.traversal import get_path
 from axcore.errors import ConfigError, did_you_mean
+from axcore.kernels.registry import current_environment, op_environment
 from axcore.layers.attention import MultiheadAttention, decoding_into
 from axcore.layers.base import BaseLayer, checkpoint_policy, with_fields
 from axcore.layers.basic import RMSNorm
 from axcore.layers.feed_forward import FeedForward
+from axcore.layers.pipeline import (
+    PipelineSchedule,
+    checked_table,
+    merge_microbatches,
+    run_pipeline,
+    split_microbatches,
+    stage_count,
+)
 from axcore.module import functional, no_context
 from axcore.params import Initializer, ParameterSpec, fold_in_name
 
@@ -286,8 +295,12 @@ class RepeatedTransformer(BaseLayer):
         # jax.checkpoint_policies name, e.g. "nothing_saveable" or "dots_saveable".
         remat_policy: str | None = None
         # Units per scan iteration (lax.scan's unroll): 1 keeps compile time flat in
-        # depth; larger trades compile time for less loop overhead per step.
+        # depth; larger trades compile time for less loop overhead per step (>= the units:
+        # a pipeline's loop over its schedule's steps is unrolled too).
         unroll: Annotated[int, Depth] = 1
+        # Pipeline schedule over the mesh's `stage` axis (e.g. {type: gpipe, microbatches: 4}; see
+        # axcore.layers.pipeline); None, or a mesh without a stage axis, = the plain scan.
+        pipeline: InstantiableConfig | None = None
 
     def __init__(self, cfg, **kwargs):
         super().__init__(cfg, **kwargs)
@@ -300,6 +313,8 @@ class RepeatedTransformer(BaseLayer):
         if cfg.unroll < 1:
             raise ConfigError(f"{self.path}: unroll must be >= 1, got {cfg.unroll}.")
         self._add_child("layer", with_fields(cfg.layer, input_dim=cfg.input_dim))
+        # The pipeline schedule (None: never pipelined).
+        self.schedule: PipelineSchedule | None = None if cfg.pipeline is None else cfg.pipeline.instantiate()
 
     @property
     def layers_per_unit(self) -> int:
@@ -321,9 +336,14 @@ class RepeatedTransformer(BaseLayer):
         return {"layer": jax.tree.map(stack, self.layer.parameter_specs())}
 
     def forward(self, x: jax.Array, **kwargs) -> jax.Array:
+        """x `[batch, seq, input_dim]` -> the same shape: the unit `repeats` times (a pipeline over the
+        mesh's `stage` axis when `pipeline` is set and the traced mesh has more than one stage)."""
         ctx = self._context()
         key = fold_in_name(ctx.prng_key, "layer")
         keys = None if key is None else jax.random.split(key, self.repeats)
+        mesh = current_environment().mesh
+        if self.schedule is not None and stage_count(mesh) > 1:
+            return self._pipelined(x, kwargs, keys, mesh)
 
         def body(carry, xs):
             layer_params, layer_key = xs
@@ -340,6 +360,49 @@ class RepeatedTransformer(BaseLayer):
         for mine, stacked in zip(ctx.output_collection.child("layer"), collections):
             mine.update(stacked)
         return x
+
+    def _pipelined(self, x: jax.Array, kwargs: dict, keys: jax.Array | None, mesh: Any) -> jax.Array:
+        """`forward` as a pipeline (`axcore.layers.pipeline.run_pipeline`) over the mesh's stages."""
+        ctx = self._context()
+        where = f"{self.path}.pipeline"
+        schedule = self.schedule
+        table = checked_table(schedule, stage_count(mesh), self.repeats, where)
+        m = schedule.microbatches
+        arrays = {k: split_microbatches(v, m, where) for k, v in kwargs.items() if v is not None}
+        constants = {k: v for k, v in kwargs.items() if v is None}
+        key_data = None if keys is None else jax.random.key_data(keys)
+        env = current_environment()
+
+        def unit(carry, xs):
+            layer_params, layer_key, inputs = xs
+            out, collection = functional(self.layer, layer_params, {"x": carry, **inputs}, layer_key, ctx.is_training)
+            if jax.tree.leaves(tuple(collection)):
+                raise ConfigError(
+                    f"{where}: the layers record summaries, auxiliary losses or state updates, which a pipeline "
+                    f"does not carry; remove {where} (or the recording feature)."
+                )
+            return out, None
+
+        if self._config.remat_policy is not None:
+            unit = jax.checkpoint(unit, policy=checkpoint_policy(self._config.remat_policy))
+
+        def stage_fn(group, h, inputs, microbatch):
+            layer_params, group_keys = group
+            if group_keys is not None:  # Dropout differs per microbatch.
+                group_keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.wrap_key_data(k), microbatch))(group_keys)
+            inputs = {**inputs, **constants}
+            # Inside the stage's shard_map the activations' constraints name the mesh without its manual axis.
+            with op_environment(jax.sharding.get_abstract_mesh(), env.axis_rules):
+                h, _ = jax.lax.scan(
+                    lambda c, xs: unit(c, (*xs, inputs)), h, (layer_params, group_keys), unroll=self._config.unroll
+                )
+            return h
+
+        out = run_pipeline(
+            stage_fn, (ctx.state.get("layer", {}), key_data), split_microbatches(x, m, where), arrays, table,
+            mesh=mesh, repeats=schedule.repeats, unroll=self._config.unroll >= self.repeats,
+        )
+        return merge_microbatches(out)
 
     @no_context
     def init_cache(self, batch: int, max_len: int) -> dict:

@@ -14,7 +14,7 @@ logical axis by the mesh rule's `axis_rules` (`mesh.axis_rules`; `resolve_rules`
     mlp            feed-forward hidden dimension             tensor
     vocab          vocabulary                                tensor
     expert         experts of a mixture-of-experts layer     expert
-    layers         stacked (scanned) layers                  None (replicated)
+    layers         stacked (scanned) layers                  stage (pipeline stages)
     norm           norm scales and biases                    None (replicated)
 
 A logical axis that no rule names, or None, is replicated. Mesh axes absent from the
@@ -61,7 +61,7 @@ DEFAULT_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "vocab": "tensor",
     "expert": "expert",
-    "layers": None,
+    "layers": "stage",
     "norm": None,
 }
 

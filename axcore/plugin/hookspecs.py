@@ -52,6 +52,7 @@ from axcore.config import Configurable
 from axcore.data.tokenizer import Tokenizer
 from axcore.experiments import experiment_source_validator
 from axcore.kernels.registry import KernelRegistry, OpRegistry, fixed_op_callback
+from axcore.layers.pipeline import PipelineSchedule
 from axcore.layers.position import PositionEmbedding
 from axcore.learning.objectives import Objective
 from axcore.learning.optimizers import Optimizer
@@ -297,6 +298,25 @@ def axcore_register_schedules(register: RegisterComponent) -> None:
     Returns nothing. Called like the other registration hooks (same order, same
     duplicate-name rule, one config namespace). The built-ins are constant, cosine,
     linear_decay and wsd (warmup-stable-decay).
+    """
+
+
+@registers(
+    Family("pipeline_schedules", "pipeline schedule", module_class_validator(PipelineSchedule), config_names=True)
+)
+@hookspec
+def axcore_register_pipeline_schedules(register: RegisterComponent) -> None:
+    """Register pipeline schedules that a layer stack's `pipeline` can name with `type: <name>`.
+
+    Args:
+        register: `register(name, schedule_class, *, override=False)`; the class must
+            subclass `axcore.layers.PipelineSchedule` (a Configurable with `microbatches`
+            whose `table(num_stages)` gives `[steps, stages, 2]` (microbatch, repeat) slots,
+            -1 = idle, with the dataflow `axcore.layers.pipeline.check_table` checks).
+
+    Returns nothing. Called like the other registration hooks (same order, same
+    duplicate-name rule, one config namespace). Added in plugin API 1.3. The built-ins
+    are gpipe and circular.
     """
 
 

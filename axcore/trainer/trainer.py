@@ -41,6 +41,7 @@ from jax.experimental import multihost_utils
 from axcore.data import Split
 from axcore.data.device_loader import DeviceLoader
 from axcore.errors import AxcoreError, one_line
+from axcore.layers.pipeline import pipeline_plans
 from axcore.observe import MultiWriter, ProgressLog
 from axcore.platform.distributed import is_primary
 from axcore.trainer.callbacks import SAMPLE, Callback, RunEnd, default_callbacks, sample_text
@@ -208,6 +209,9 @@ class Trainer:
         for op, kernels in compiled.kernels.items():
             print(f"Kernel for {op}: {kernels}", file=self.stream)
         print(f"Compiled the train step in {compiled.seconds:.1f} s", file=self.stream)
+        mesh_axes = dict(zip(self.mesh.axis_names, self.mesh.devices.shape))
+        for plan in pipeline_plans(self.cfg.model, mesh_axes):
+            print(f"Pipeline {plan.describe()}", file=self.stream)
         return compiled.step
 
     def _lock_run_dir(self) -> RunDirectory:
