@@ -4,11 +4,14 @@
     axcore lora export-peft RUN OUT [--step N]     # a LoRA run's adapters -> PEFT adapter directory
     axcore lora import-peft BASE_RUN ADAPTER OUT   # base run + PEFT adapter -> LoRA run directory
     axcore lora merge RUN OUT [--step N]           # adapters folded into the weights -> plain run
+    axcore lora memory EXPERIMENT [--set P=V ...]  # train-state bytes (params, optimizer, gradients)
 """
 
 from __future__ import annotations
 
 import argparse
+
+from axcore.cli.common import add_experiment, overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,9 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     merge.add_argument("run", help="LoRA run directory (or a step directory)")
     merge.add_argument("out", help="new run directory (export it with axcore convert axcore-to-hf)")
     merge.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    memory = sub.add_parser("memory", help="train-state memory from abstract shapes: params (adapters, frozen "
+                            "base, quantized base), optimizer state, gradients, bytes per base parameter")
+    add_experiment(memory, required=True)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "memory":
+        from axcore.experiment import load_experiment
+
+        from axcore_lora.memory import format_memory, train_state_memory  # Deferred: JAX.
+
+        print(format_memory(train_state_memory(load_experiment(args.experiment, overrides(args)))), end="")
+        return 0
     from axcore_lora import peft  # Deferred: JAX and the checkpoint machinery.
 
     if args.action == "init":

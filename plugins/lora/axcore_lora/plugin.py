@@ -6,7 +6,9 @@ kernel takes the targeted sites (its state: the adapters) and `lora_base` the ot
 only the adapters train: the base weights get no gradient and no optimizer state. It
 builds the model's parameter shapes once (nothing allocated) to refuse a target that
 selects no site; a rank larger than a targeted projection is refused when the
-experiment is validated. Both in one line naming the field.
+experiment is validated. Both in one line naming the field. With `base_format: int8`
+or `nf4` (QLoRA) the targeted sites' frozen base weights are stored quantized
+(`axcore_lora.quant`) and dequantized inside the matmul.
 
 The command `axcore lora` exports and imports PEFT adapter directories and writes the
 merged model (`axcore_lora.peft`).
@@ -23,6 +25,7 @@ from axcore.trainer import LearnerConfig
 
 from axcore_lora import commands
 from axcore_lora.kernel import EXTRA, LoraBaseDot, LoraConfigError, LoraDot, LoraSettings, lora_sites, short_name
+from axcore_lora.quant import FORMATS
 
 # `trainer.learner.trainable` under LoRA: the adapters only.
 ADAPTERS = r"/lora_[ab]$"
@@ -60,6 +63,10 @@ def axcore_transform_config(config, settings, registries):
         re.compile(settings.target)
     except re.error as e:
         raise LoraConfigError(f"'lora.target' ({settings.target!r}) is not a regular expression: {e}.") from None
+    if settings.base_format not in FORMATS:
+        raise LoraConfigError(
+            f"'lora.base_format' ({settings.base_format!r}) is not a base format; use one of {', '.join(FORMATS)}."
+        )
     sites = dot_sites(config, registries)
     if not lora_sites(sites, settings.target):
         names = sorted({short_name(s) for s in sites})
@@ -68,6 +75,8 @@ def axcore_transform_config(config, settings, registries):
             f"{', '.join(names)} (or a path such as {sites[0].removeprefix('model.') if sites else '?'})."
         )
     lora = {"rank": settings.rank, "alpha": settings.alpha, "dropout": settings.dropout, "target": settings.target}
+    if settings.base_format != "float":  # QLoRA: the targeted sites' frozen base stored quantized.
+        lora["base_format"] = settings.base_format
 
     def add_extra(_path, model):
         extras = dict(model.op_extras or {})
