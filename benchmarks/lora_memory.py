@@ -46,8 +46,8 @@ COLUMNS = [
 def measure(smoke: bool = False) -> dict[str, dict[str, Any]]:
     """Each variant's `train_state_memory` report (smoke: a 2-layer model of the same width)."""
     from axcore.experiment import load_experiment
-    from axcore_hf.llama import LlamaConverter
 
+    from axcore_hf.llama import LlamaConverter
     from axcore_lora.memory import train_state_memory
 
     config = dict(SMOLLM_135M, num_hidden_layers=2) if smoke else SMOLLM_135M
