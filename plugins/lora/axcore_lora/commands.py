@@ -1,6 +1,6 @@
 """`axcore lora`: PEFT adapter export and import, and the merged model (`axcore_lora.peft`).
 
-    axcore lora init BASE_RUN OUT [--rank R --alpha A --dropout D --target REGEX]   # fresh adapters
+    axcore lora init BASE_RUN OUT [--rank R --alpha A --dropout D --target REGEX --base-format nf4]  # fresh adapters
     axcore lora export-peft RUN OUT [--step N]     # a LoRA run's adapters -> PEFT adapter directory
     axcore lora import-peft BASE_RUN ADAPTER OUT   # base run + PEFT adapter -> LoRA run directory
     axcore lora merge RUN OUT [--step N]           # adapters folded into the weights -> plain run
@@ -22,6 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, kind, doc in [("rank", int, "adapter rank"), ("alpha", float, "scale numerator (alpha / rank)"),
                             ("dropout", float, "dropout on the adapter's input"), ("target", str, "regex of the sites")]:
         init.add_argument(f"--{name}", type=kind, default=None, help=f"{doc} (default: the lora plugin's)")
+    init.add_argument("--base-format", dest="base_format", choices=["float", "int8", "nf4"], default=None,
+                      help="store the targeted projections' frozen base quantized (QLoRA; default: float)")
     export = sub.add_parser("export-peft", help="write a LoRA run's adapters as a PEFT adapter directory")
     export.add_argument("run", help="LoRA run directory (or a step directory)")
     export.add_argument("out", help="directory to write adapter_config.json and adapter_model.safetensors into")
@@ -50,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from axcore_lora import peft  # Deferred: JAX and the checkpoint machinery.
 
     if args.action == "init":
-        settings = {k: getattr(args, k) for k in ("rank", "alpha", "dropout", "target") if getattr(args, k) is not None}
+        names = ("rank", "alpha", "dropout", "target", "base_format")
+        settings = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
         out = peft.init(args.base_run, args.out, settings)
     elif args.action == "export-peft":
         out = peft.export_peft(args.run, args.out, step=args.step)

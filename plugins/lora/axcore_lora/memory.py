@@ -25,7 +25,7 @@ from axcore.params import ParameterSpec
 from axcore.trainer.learner import restrict_trainable
 from axcore.trainer.step import TrainStep
 
-from axcore_lora.quant import QuantizedInit
+from axcore_lora.quant import quantized_init
 
 # The adapter parameters (the lora plugin's `trainer.learner.trainable`).
 ADAPTER = re.compile(r"/lora_[ab]$")
@@ -60,8 +60,9 @@ def train_state_memory(experiment: Any) -> dict[str, Any]:
     for path, spec in flat:
         name = jax.tree_util.keystr(path, simple=True, separator="/")
         size = _nbytes(spec.shape, spec.dtype)
-        if isinstance(spec.initializer, QuantizedInit):
-            elements = math.prod(spec.initializer.w_shape)
+        quantized = quantized_init(spec)
+        if quantized is not None:  # A scanned stack's leading axes times the declared weight.
+            elements = math.prod(spec.shape[: quantized[1]]) * math.prod(quantized[0].w_shape)
             quantized_elements += elements
             out["quantized_base_bytes"] += size
         else:

@@ -125,3 +125,39 @@ class QuantizedInit:
 
     def __call__(self, key, shape, dtype):
         return quantize(self.fmt, self.inner(key, self.w_shape, jnp.float32), self.contract).astype(dtype)
+
+
+def quantized_init(spec: Any) -> tuple[QuantizedInit, int] | None:
+    """`(QuantizedInit, stacked leading axes)` of a stored weight's ParameterSpec (a scanned stack wraps the
+    initializer once per stacked axis, each with an `inner`), or None for any other parameter."""
+    init, depth = spec.initializer, 0
+    while not isinstance(init, QuantizedInit):
+        init = getattr(init, "inner", None)
+        if init is None:
+            return None
+        depth += 1
+    return init, depth
+
+
+def _per_layer(fn, depth: int):
+    for _ in range(depth):
+        fn = jax.vmap(fn)
+    return fn
+
+
+def quantize_as(spec: Any, value: Any) -> np.ndarray:
+    """A float weight in its declared layout (with the stacked axes of `spec`) stored as `spec` says."""
+    q, depth = quantized_init(spec)
+    return np.asarray(_per_layer(lambda w: quantize(q.fmt, w, q.contract), depth)(jnp.asarray(value, jnp.float32)))
+
+
+def dequantize_as(spec: Any, stored: Any) -> np.ndarray:
+    """The float32 weight, in its declared layout (with the stacked axes), of a weight stored as `spec` says."""
+    q, depth = quantized_init(spec)
+    in_dim = math.prod(q.w_shape[i] for i in q.contract)
+    out = math.prod(q.w_shape) // in_dim
+
+    def one(s):
+        return from_rows(dequantize(q.fmt, s, in_dim, out), q.w_shape, q.contract)
+
+    return np.asarray(_per_layer(one, depth)(jnp.asarray(stored)))
