@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         init.add_argument(f"--{name}", type=kind, default=None, help=f"{doc} (default: the lora plugin's)")
     init.add_argument("--base-format", dest="base_format", choices=["float", "int8", "nf4"], default=None,
                       help="store the targeted projections' frozen base quantized (QLoRA; default: float)")
+    init.add_argument("--adapters-only", action="store_true",
+                      help="checkpoints hold the adapters only; the base is read from BASE_RUN (or, quantized, OUT/base)")
     export = sub.add_parser("export-peft", help="write a LoRA run's adapters as a PEFT adapter directory")
     export.add_argument("run", help="LoRA run directory (or a step directory)")
     export.add_argument("out", help="directory to write adapter_config.json and adapter_model.safetensors into")
@@ -54,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "init":
         names = ("rank", "alpha", "dropout", "target", "base_format")
         settings = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+        if args.adapters_only:
+            settings["checkpoint"] = "adapters"
         out = peft.init(args.base_run, args.out, settings)
     elif args.action == "export-peft":
         out = peft.export_peft(args.run, args.out, step=args.step)

@@ -71,6 +71,11 @@ class LoraSettings(ConfigBase):
     target: str = "q|k|v|o|gate|up|down"
     # Storage of the targeted projections' frozen base weights: float (the layer's own), int8 or nf4 (QLoRA).
     base_format: str = "float"
+    # What checkpoints hold: full (every parameter) or adapters (the adapters, optimizer state etc.; the base
+    # read back from base_run).
+    checkpoint: str = "full"
+    # With checkpoint: adapters, the run directory (or checkpoints/) whose params are exactly the frozen parameters.
+    base_run: str | None = None
 
 
 def site_path(site: str) -> str:

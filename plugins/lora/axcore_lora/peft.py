@@ -215,9 +215,33 @@ def _with_fresh_adapters(base_run: str | os.PathLike, settings: dict, out: str |
 def init(base_run: str | os.PathLike, out: str | os.PathLike, settings: dict) -> pathlib.Path:
     """A LoRA run directory `out`: base run `base_run`'s latest parameters plus fresh adapters of `settings`
     (the `lora:` section: rank, alpha, dropout, target; missing keys keep their defaults)."""
+    settings = dict(settings)
+    quantized = settings.get("base_format", "float") != "float"
+    if settings.get("checkpoint") == "adapters":  # The frozen base is read from the base run, or OUT/base (QLoRA).
+        settings["base_run"] = str(pathlib.Path(out if quantized else base_run).resolve() / ("base" if quantized else ""))
     experiment, params, _ = _with_fresh_adapters(base_run, settings, out)
+    if settings.get("checkpoint") == "adapters" and quantized:
+        _save_base(experiment, params, pathlib.Path(settings["base_run"]))
     save_model(experiment, params, out)
     return pathlib.Path(out)
+
+
+def _save_base(experiment: Any, params: Any, base_dir: pathlib.Path) -> None:
+    """Writes the frozen parameters of `params` (the adapters left out) as step 0 of `base_dir/checkpoints`."""
+    from axcore.checkpoint.plugin import BACKENDS
+    from axcore.trainer.resume import params_only_metadata
+
+    from axcore_lora.checkpoint import split_params
+
+    _, frozen = split_params(params)
+    settings = experiment.config.trainer.checkpoint.backend_settings
+    backend = BACKENDS[settings["inner"]](base_dir / "checkpoints", async_save=False, **settings["inner_settings"])
+    try:
+        backend.save(0, {"params": jax.tree.map(jax.numpy.asarray, frozen)},
+                     params_only_metadata(0, experiment.config.trainer.seed))
+        backend.wait()
+    finally:
+        backend.close()
 
 
 def _overlay(params: Any, base: Any, specs: Any) -> Any:

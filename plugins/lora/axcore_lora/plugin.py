@@ -16,14 +16,16 @@ merged model (`axcore_lora.peft`).
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import axcore
 from axcore.config import replace
 from axcore.kernels import DOT, op_environment, record_kernel_decisions
-from axcore.trainer import LearnerConfig
+from axcore.trainer import CheckpointConfig, LearnerConfig
 
 from axcore_lora import commands
+from axcore_lora.checkpoint import NAME, lora_adapters
 from axcore_lora.kernel import EXTRA, LoraBaseDot, LoraConfigError, LoraDot, LoraSettings, lora_sites, short_name
 from axcore_lora.quant import FORMATS
 
@@ -40,6 +42,11 @@ def axcore_settings_config():
 def axcore_register_kernels(register):
     register(DOT, LoraDot())
     register(DOT, LoraBaseDot())
+
+
+@axcore.hookimpl
+def axcore_register_checkpoint_backends(register):
+    register(NAME, lora_adapters)
 
 
 @axcore.hookimpl
@@ -84,4 +91,28 @@ def axcore_transform_config(config, settings, registries):
         return model.set(op_extras=extras)
 
     config = replace(config, lambda path, _node: path == "model", add_extra)
-    return replace(config, LearnerConfig, lambda _, c: c.set(trainable=ADAPTERS))
+    config = replace(config, LearnerConfig, lambda _, c: c.set(trainable=ADAPTERS))
+    return adapter_checkpoints(config, settings)
+
+
+def adapter_checkpoints(config, settings):
+    """With `lora.checkpoint: adapters`, the run's checkpoint backend wrapped by `lora_adapters`
+    (`axcore_lora.checkpoint`), `lora.base_run` made absolute; else `config` itself."""
+    if settings.checkpoint not in ("full", "adapters"):
+        raise LoraConfigError(f"'lora.checkpoint' ({settings.checkpoint!r}) is not full or adapters.")
+    if settings.checkpoint == "full":
+        return config
+    if not settings.base_run:
+        raise LoraConfigError(
+            "'lora.checkpoint' is adapters but 'lora.base_run' is not set; set it to the run directory holding the "
+            "frozen parameters (the base run of axcore lora init, or the OUT/base that lora init --adapters-only writes)."
+        )
+
+    def wrap(_path, ckpt):
+        if ckpt.backend == NAME:  # Already wrapped (a saved config).
+            return ckpt
+        wrapped = {"inner": ckpt.backend, "inner_settings": dict(ckpt.backend_settings),
+                   "base_run": str(pathlib.Path(settings.base_run).resolve())}
+        return ckpt.set(backend=NAME, backend_settings=wrapped)
+
+    return replace(config, CheckpointConfig, wrap)
