@@ -39,8 +39,31 @@ def base_run(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("fmt", ["float", "nf4"])
-def test_checkpoints_hold_the_adapters_only_and_resume_exactly(base_run, fmt):
+def test_a_float_base_is_read_back_from_the_base_run(base_run):
+    """`lora init --adapters-only` (float base): step 0 holds the adapters only; restored, the frozen
+    parameters are the base run's, bit for bit."""
+    run = base_run / "lora_float"
+    assert main(["lora", "init", str(base_run / "base"), str(run), "--rank", "4", "--adapters-only"]) == 0
+    exp = load_experiment(run / "config.yaml")
+    assert exp.config.trainer.checkpoint.backend_settings["base_run"] == str(base_run / "base")
+    plain = BACKENDS["orbax"](base_run / "base" / "checkpoints")
+    base_exp = load_experiment(base_run / "base" / "config.yaml")
+    base = _flat(plain.restore({"params": TrainStep(base_exp).abstract_state()["params"]}, partial=True)[0]["params"])
+    plain.close()
+    backend = make_checkpoint_backend(exp.config.trainer.checkpoint, exp.registries, run / "checkpoints")
+    restored, metadata = backend.restore({"params": TrainStep(exp).abstract_state()["params"]}, partial=True)
+    backend.close()
+    assert metadata["lora_adapters_only"]
+    params = _flat(restored["params"])
+    assert sorted(k for k in params if "/lora_" not in k) == sorted(base)
+    for name, value in base.items():
+        np.testing.assert_array_equal(params[name], value, err_msg=name)
+    assert sum("/lora_b" in k and not v.any() for k, v in params.items()) == 12  # Fresh B = 0 at 12 sites.
+
+
+def test_checkpoints_hold_the_adapters_only_and_resume_exactly(base_run):
+    """QLoRA (nf4): the quantized base goes to OUT/base once; step 3 holds the adapters only and resumes bit for bit."""
+    fmt = "nf4"
     run = base_run / f"lora_{fmt}"
     assert main(["lora", "init", str(base_run / "base"), str(run), "--rank", "4", "--base-format", fmt,
                  "--adapters-only"]) == 0
@@ -48,7 +71,7 @@ def test_checkpoints_hold_the_adapters_only_and_resume_exactly(base_run, fmt):
                                                 "trainer.learner.schedule.warmup_steps=0"])
     settings = exp.config.trainer.checkpoint.backend_settings
     assert exp.config.trainer.checkpoint.backend == "lora_adapters"
-    assert settings["base_run"] == str((run / "base") if fmt == "nf4" else (base_run / "base"))
+    assert settings["base_run"] == str(run / "base")
     step = TrainStep(exp)
     backend = make_checkpoint_backend(exp.config.trainer.checkpoint, exp.registries, run / "checkpoints")
     state, _, params_only = restore_train_state(step, backend, None, lambda line: None)
@@ -56,7 +79,7 @@ def test_checkpoints_hold_the_adapters_only_and_resume_exactly(base_run, fmt):
 
     initial = _flat(state["params"])
     stored = {k for k, v in initial.items() if v.dtype == np.uint8}
-    assert len(stored) == (12 if fmt == "nf4" else 0)
+    assert len(stored) == 12  # Six targeted weights in each of two layers.
 
     train = step.compiled_train_step()
     batch = next(exp.config.input.make_iterator(Split.TRAIN))
