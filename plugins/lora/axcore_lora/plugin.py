@@ -26,7 +26,16 @@ from axcore.trainer import CheckpointConfig, LearnerConfig
 
 from axcore_lora import commands
 from axcore_lora.checkpoint import NAME, lora_adapters
-from axcore_lora.kernel import EXTRA, LoraBaseDot, LoraConfigError, LoraDot, LoraSettings, lora_sites, short_name
+from axcore_lora.kernel import (
+    EXTRA,
+    LoraBaseDot,
+    LoraConfigError,
+    LoraDot,
+    LoraSettings,
+    lora_sites,
+    short_name,
+    site_path,
+)
 from axcore_lora.quant import FORMATS
 
 # `trainer.learner.trainable` under LoRA: the adapters only.
@@ -80,6 +89,13 @@ def axcore_transform_config(config, settings, registries):
         raise LoraConfigError(
             f"'lora.target' ({settings.target!r}) matches no projection of the model; its dot sites are "
             f"{', '.join(names)} (or a path such as {sites[0].removeprefix('model.') if sites else '?'})."
+        )
+    tied = [s for s in lora_sites(sites, settings.target) if short_name(s) == "attend"]
+    if settings.base_format != "float" and tied:
+        raise LoraConfigError(
+            f"'lora.target' ({settings.target!r}) selects the tied output head {site_path(tied[0])}, whose weight is the "
+            f"embedding table the input lookup reads too, so 'lora.base_format' {settings.base_format} cannot store it "
+            f"quantized; leave it out of the target or untie the head (model.lm_head)."
         )
     lora = {"rank": settings.rank, "alpha": settings.alpha, "dropout": settings.dropout, "target": settings.target}
     if settings.base_format != "float":  # QLoRA: the targeted sites' frozen base stored quantized.

@@ -180,10 +180,13 @@ def test_memory_report_counts_bytes_per_base_parameter(fmt):
     assert report["train_state_bytes"] == report["params_bytes"] + report["optimizer_bytes"] + 4 * adapters
 
 
-def test_a_base_format_that_is_not_one_is_refused(capsys):
+def test_a_bad_base_format_or_a_quantized_tied_head_is_refused_and_the_cli_reports_memory(capsys):
     with pytest.raises(LoraConfigError, match=r"'lora\.base_format' \('int4'\) is not a base format; use one of "
                                               r"float, int8, nf4"):
         _experiment("int4")
+    with pytest.raises(LoraConfigError, match=r"selects the tied output head embedding\.attend, whose weight is the "
+                                              r"embedding table the input lookup reads too"):
+        _experiment("nf4", "model.lm_head=null", "lora.target=q|attend")
     from axcore.cli import main
 
     assert main(["lora", "memory", "default", "--set", "plugins=[lora]", "--set", "lora.base_format=nf4",
