@@ -71,6 +71,8 @@ class LoraSettings(ConfigBase):
     target: str = "q|k|v|o|gate|up|down"
     # Storage of the targeted projections' frozen base weights: float (the layer's own), int8 or nf4 (QLoRA).
     base_format: str = "float"
+    # Which sites' base base_format stores: targets (the adapted ones) or all (every dot site but a tied head).
+    quantize: str = "targets"
     # What checkpoints hold: full (every parameter) or adapters (the adapters, optimizer state etc.; the base
     # read back from base_run).
     checkpoint: str = "full"
@@ -117,6 +119,26 @@ class KaimingUniform:
 
 def _settings(problem: DotProblem) -> dict[str, Any] | None:
     return problem.extras.get(EXTRA)
+
+
+def base_format(problem: DotProblem) -> str:
+    """How the site's base weight is stored: `base_format` at a targeted site (or any but a tied head, `attend`,
+    with `quantize: all`), else float."""
+    settings = _settings(problem)
+    fmt = settings.get("base_format", "float")
+    if settings.get("quantize", "targets") == "all":
+        return "float" if short_name(problem.site) == "attend" else fmt
+    return fmt if is_target(settings["target"], problem.site) else "float"
+
+
+def stored_weight_spec(problem: DotProblem, spec: ParameterSpec) -> ParameterSpec | None:
+    """The frozen base weight's stored form (`base_format` int8 / nf4, `axcore_lora.quant`); None: the float weight."""
+    fmt = base_format(problem)
+    if fmt == "float":
+        return None
+    shape = quant.stored_shape(fmt, problem.in_dim, math.prod(problem.out_dims))
+    init = quant.QuantizedInit(spec.initializer, problem.w_shape, problem.contract, fmt)
+    return ParameterSpec(shape, np.dtype(np.uint8), init, (None, None), weight_decay_scale=0.0, trainable=False)
 
 
 def base_dot(problem: DotProblem, x: jax.Array, w: jax.Array, fmt: str) -> jax.Array:
@@ -166,17 +188,11 @@ class LoraDot:
         }
 
     def weight_spec(self, problem: DotProblem, spec: ParameterSpec) -> ParameterSpec | None:
-        """The frozen base weight's stored form under `base_format` int8 / nf4 (`axcore_lora.quant`); None: float."""
-        fmt = _settings(problem).get("base_format", "float")
-        if fmt == "float":
-            return None
-        shape = quant.stored_shape(fmt, problem.in_dim, math.prod(problem.out_dims))
-        init = quant.QuantizedInit(spec.initializer, problem.w_shape, problem.contract, fmt)
-        return ParameterSpec(shape, np.dtype(np.uint8), init, (None, None), weight_decay_scale=0.0, trainable=False)
+        return stored_weight_spec(problem, spec)
 
     def __call__(self, problem: DotProblem, x: jax.Array, w: jax.Array, *, state: dict) -> tuple[jax.Array, None]:
         settings = _settings(problem)
-        y = base_dot(problem, x, w, settings.get("base_format", "float"))
+        y = base_dot(problem, x, w, base_format(problem))
         k = len(problem.contract)
         lead = x.shape[: x.ndim - k]
         h = x.reshape(*lead, problem.in_dim).astype(problem.compute_dtype)
@@ -205,5 +221,8 @@ class LoraBaseDot:
             return Support(False, f"site {problem.site} is a lora target")
         return unknown_extras(problem, [EXTRA])
 
+    def weight_spec(self, problem: DotProblem, spec: ParameterSpec) -> ParameterSpec | None:
+        return stored_weight_spec(problem, spec)  # With quantize: all, untargeted sites are stored quantized too.
+
     def __call__(self, problem: DotProblem, x: jax.Array, w: jax.Array) -> jax.Array:
-        return reference_dot(problem, x, w)
+        return base_dot(problem, x, w, base_format(problem))

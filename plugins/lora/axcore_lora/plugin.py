@@ -83,6 +83,8 @@ def axcore_transform_config(config, settings, registries):
         raise LoraConfigError(
             f"'lora.base_format' ({settings.base_format!r}) is not a base format; use one of {', '.join(FORMATS)}."
         )
+    if settings.quantize not in ("targets", "all"):
+        raise LoraConfigError(f"'lora.quantize' ({settings.quantize!r}) is not targets or all.")
     sites = dot_sites(config, registries)
     if not lora_sites(sites, settings.target):
         names = sorted({short_name(s) for s in sites})
@@ -98,8 +100,8 @@ def axcore_transform_config(config, settings, registries):
             f"quantized; leave it out of the target or untie the head (model.lm_head)."
         )
     lora = {"rank": settings.rank, "alpha": settings.alpha, "dropout": settings.dropout, "target": settings.target}
-    if settings.base_format != "float":  # QLoRA: the targeted sites' frozen base stored quantized.
-        lora["base_format"] = settings.base_format
+    if settings.base_format != "float":  # QLoRA: the targeted (or all) sites' frozen base stored quantized.
+        lora.update(base_format=settings.base_format, quantize=settings.quantize)
 
     def add_extra(_path, model):
         extras = dict(model.op_extras or {})

@@ -112,18 +112,21 @@ def test_the_nf4_table_is_the_papers():
     np.testing.assert_allclose(NF4_CODE, nf4_code_from_the_paper(), atol=2e-7)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "nf4"])
-def test_the_quantized_base_is_within_its_rounding_bound_and_the_adapters_train(fmt, float_model):
+@pytest.mark.parametrize("fmt,quantize", [("int8", "all"), ("nf4", "targets")])
+def test_the_quantized_base_is_within_its_rounding_bound_and_the_adapters_train(fmt, quantize, float_model):
     """Stored base = the float twin's weights quantized (NumPy); logits = the twin's with those weights
-    dequantized; 15 steps: the loss falls, only the adapters change."""
+    dequantized; 15 steps: the loss falls, only the adapters change. `quantize: all` stores the
+    untargeted output head quantized too."""
     exp = _experiment(fmt, "trainer.learner.learning_rate=0.01", "trainer.learner.schedule.warmup_steps=0",
-                      "trainer.max_steps=15", "trainer.seed=0")
+                      "trainer.max_steps=15", "trainer.seed=0", f"lora.quantize={quantize}")
     step = TrainStep(exp)
     state = step.init_state()
     base_model, base = float_model
     stored, expected = _flat(jax.device_get(state["params"])), _flat(base)
     quantized = [k for k, v in stored.items() if v.dtype == np.uint8]
-    assert len(quantized) == 2 * len(SITES)  # Every targeted weight of both layers, nothing else.
+    heads = ["lm_head/weight"] if quantize == "all" else []
+    assert sorted(quantized) == sorted([k for k in expected if k.startswith("decoder/") and (
+        k.endswith(("/wq", "/wk", "/wv", "/wo")) or "_proj/weight" in k)] + heads)  # Targets (+ the head), no more.
     dequantized = dict(expected)
     for name in quantized:
         r = rows(expected[name], name)
