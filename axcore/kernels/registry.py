@@ -66,6 +66,13 @@ class Kernel(Protocol):
     not gradient-stopped, the kernel's custom VJP returns its new value as its
     cotangent, and the train step stores that gradient as its value (zero if the site
     is unused in the step, the sum if it is used more than once).
+
+    A `dot` kernel may also define `weight_spec(problem, spec) -> ParameterSpec | None`:
+    the form it stores the site's weight in (e.g. a frozen quantized base, uint8,
+    `trainable=False`), declared by the layer in place of the weight's own `spec`; the
+    problem still describes the declared weight and the kernel gets the stored array
+    as `w`. The train step differentiates with `allow_int`, so an integer frozen leaf
+    gets a zero gradient of its own dtype.
     """
 
     name: str

@@ -21,7 +21,11 @@ Op calls: every weight matmul goes through the `dot` op of the kernel registry
 state for a site lives among the layer's parameters under `kernel_state/<site>`:
 new values computed in the forward pass come back as the kernel's `new_state`;
 those declared `overwrite_with_gradient` get theirs as the train step's gradient
-(the kernel's custom VJP returns the new value as their cotangent).
+(the kernel's custom VJP returns the new value as their cotangent). A kernel may
+also store the site's weight in a form of its own (`weight_spec(problem, spec)`
+returning another ParameterSpec, e.g. a frozen quantized base under QLoRA): the
+weight's parameter is then that spec, the problem still describes the declared
+weight, and the kernel receives the stored array as `w`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import re
 from typing import Annotated, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from axcore.config import DType, Floating, InstantiableConfig
@@ -203,11 +208,15 @@ class BaseLayer(Module):
         own = self._create_parameter_specs()
         state = {}
         for site in sites:
-            problem = self._dot_problem(site, own[sites[site].weight])
+            weight = sites[site].weight
+            problem = self._dot_problem(site, own[weight])
             kernel = self._select(DOT, problem)
             declared = kernel.state_specs(problem) if hasattr(kernel, "state_specs") else None
             if declared:
                 state[site] = dict(declared)
+            stored = kernel.weight_spec(problem, own[weight]) if hasattr(kernel, "weight_spec") else None
+            if stored is not None:  # The kernel stores the weight in its own form (e.g. quantized, frozen).
+                specs[weight] = stored
         if state:
             specs[KERNEL_STATE] = state
         return specs
@@ -258,8 +267,12 @@ class BaseLayer(Module):
 
     def _dot(self, site: str, x: jax.Array) -> jax.Array:
         """Runs dot site `site` on x through the selected `dot` kernel (with its state, if any)."""
-        weight = self.parameters[self._dot_sites()[site].weight]
-        problem = self._dot_problem(site, weight, x)
+        name = self._dot_sites()[site].weight
+        weight = self.parameters[name]
+        declared = self._create_parameter_specs()[name]
+        # A weight a kernel stores in its own form (`weight_spec`) is described to the problem as declared.
+        stored_otherwise = tuple(weight.shape) != tuple(declared.shape) or not jnp.issubdtype(weight.dtype, jnp.inexact)
+        problem = self._dot_problem(site, declared.abstract() if stored_otherwise else weight, x)
         kernel = self._select(DOT, problem)
         return self._run_kernel(kernel, site, problem, x, weight)
 

@@ -26,7 +26,12 @@ def batch_gradients(step: Any, params: dict, batch: dict, key: jax.Array, object
         out = step.objective.loss(step.model, params, batch, prng_key=key, is_training=True, state=objective_state)
         return out.loss, (out.metrics, out.collection.summaries, out.collection.state_updates)
 
-    (loss, (metrics, summaries, state_updates)), raw_grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    # allow_int: a kernel may store a frozen weight as integers (a quantized base, `weight_spec`); its
+    # float0 "gradient" becomes zeros of its dtype, which every later step (optimizer, norms) accepts.
+    (loss, (metrics, summaries, state_updates)), raw_grads = jax.value_and_grad(loss_fn, has_aux=True, allow_int=True)(
+        params
+    )
+    raw_grads = jax.tree.map(lambda p, g: jnp.zeros_like(p) if g.dtype == jax.dtypes.float0 else g, params, raw_grads)
     return loss, metrics, summaries, state_updates, raw_grads
 
 

@@ -30,18 +30,23 @@ dropped).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Annotated, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from axcore import AxcoreError, ConfigBase
 from axcore.config import NonNegative, Positive
 from axcore.kernels import DotProblem, Support, reference_dot, unknown_extras
+from axcore.kernels.dot import wide_result
 from axcore.module import current_context
 from axcore.params import ParameterSpec, constant, fold_in_name
+
+from axcore_lora import quant
 
 # Key of the settings in `op_extras.dot`.
 EXTRA = "lora"
@@ -64,6 +69,15 @@ class LoraSettings(ConfigBase):
     dropout: Annotated[float, NonNegative] = 0.0
     # Regex fully matching a site's short name (q, k, v, o, gate, up, down, lm_head) or its path below the model.
     target: str = "q|k|v|o|gate|up|down"
+    # Storage of the targeted projections' frozen base weights: float (the layer's own), int8 or nf4 (QLoRA).
+    base_format: str = "float"
+    # Which sites' base base_format stores: targets (the adapted ones) or all (every dot site but a tied head).
+    quantize: str = "targets"
+    # What checkpoints hold: full (every parameter) or adapters (the adapters, optimizer state etc.; the base
+    # read back from base_run).
+    checkpoint: str = "full"
+    # With checkpoint: adapters, the run directory (or checkpoints/) whose params are exactly the frozen parameters.
+    base_run: str | None = None
 
 
 def site_path(site: str) -> str:
@@ -107,6 +121,39 @@ def _settings(problem: DotProblem) -> dict[str, Any] | None:
     return problem.extras.get(EXTRA)
 
 
+def base_format(problem: DotProblem) -> str:
+    """How the site's base weight is stored: `base_format` at a targeted site (or any but a tied head, `attend`,
+    with `quantize: all`), else float."""
+    settings = _settings(problem)
+    fmt = settings.get("base_format", "float")
+    if settings.get("quantize", "targets") == "all":
+        return "float" if short_name(problem.site) == "attend" else fmt
+    return fmt if is_target(settings["target"], problem.site) else "float"
+
+
+def stored_weight_spec(problem: DotProblem, spec: ParameterSpec) -> ParameterSpec | None:
+    """The frozen base weight's stored form (`base_format` int8 / nf4, `axcore_lora.quant`); None: the float weight."""
+    fmt = base_format(problem)
+    if fmt == "float":
+        return None
+    shape = quant.stored_shape(fmt, problem.in_dim, math.prod(problem.out_dims))
+    init = quant.QuantizedInit(spec.initializer, problem.w_shape, problem.contract, fmt)
+    return ParameterSpec(shape, np.dtype(np.uint8), init, (None, None), weight_decay_scale=0.0, trainable=False)
+
+
+def base_dot(problem: DotProblem, x: jax.Array, w: jax.Array, fmt: str) -> jax.Array:
+    """x . w for the base weight `w` as stored: the reference dot of a float weight, or (int8 / nf4) the
+    stored weight dequantized to the compute dtype as `[out, in]` and contracted with x's trailing dims."""
+    if fmt == "float":
+        return reference_dot(problem, x, w)
+    k, out = len(problem.contract), math.prod(problem.out_dims)
+    lead = x.shape[: x.ndim - k]
+    x2 = x.reshape(*lead, problem.in_dim).astype(problem.compute_dtype)
+    rows = quant.dequantize(fmt, w, problem.in_dim, out, problem.compute_dtype)
+    contract = functools.partial(jnp.einsum, "...i,oi->...o")
+    return wide_result(contract, x2, rows, problem.output_dtype).reshape(*lead, *problem.out_dims)
+
+
 class LoraDot:
     """The `dot` of a targeted site plus its adapter (module docstring); state `lora_a`, `lora_b`."""
 
@@ -140,9 +187,12 @@ class LoraDot:
             ),
         }
 
+    def weight_spec(self, problem: DotProblem, spec: ParameterSpec) -> ParameterSpec | None:
+        return stored_weight_spec(problem, spec)
+
     def __call__(self, problem: DotProblem, x: jax.Array, w: jax.Array, *, state: dict) -> tuple[jax.Array, None]:
         settings = _settings(problem)
-        y = reference_dot(problem, x, w)
+        y = base_dot(problem, x, w, base_format(problem))
         k = len(problem.contract)
         lead = x.shape[: x.ndim - k]
         h = x.reshape(*lead, problem.in_dim).astype(problem.compute_dtype)
@@ -171,5 +221,8 @@ class LoraBaseDot:
             return Support(False, f"site {problem.site} is a lora target")
         return unknown_extras(problem, [EXTRA])
 
+    def weight_spec(self, problem: DotProblem, spec: ParameterSpec) -> ParameterSpec | None:
+        return stored_weight_spec(problem, spec)  # With quantize: all, untargeted sites are stored quantized too.
+
     def __call__(self, problem: DotProblem, x: jax.Array, w: jax.Array) -> jax.Array:
-        return reference_dot(problem, x, w)
+        return base_dot(problem, x, w, base_format(problem))

@@ -46,6 +46,7 @@ from axcore.experiment import load_experiment
 from axcore.inference.run_loading import load_model, locate_run, save_model
 
 from axcore_lora.kernel import A, B
+from axcore_lora.quant import dequantize_as, quantize_as, quantized_init
 
 # A layer's weight name -> the dot site it feeds (attention's own sites; a Linear's `dot`).
 SITE_OF_WEIGHT = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "weight": "dot"}
@@ -208,22 +209,51 @@ def _with_fresh_adapters(base_run: str | os.PathLike, settings: dict, out: str |
     experiment = _load_raw(raw, out)
     model = experiment.config.model.instantiate(name="model", registries=experiment.registries)
     params = jax.device_get(model.initialize(jax.random.key(experiment.config.trainer.seed)))
-    return experiment, _overlay(params, jax.device_get(base.params)), base
+    return experiment, _overlay(params, jax.device_get(base.params), model.parameter_specs()), base
 
 
 def init(base_run: str | os.PathLike, out: str | os.PathLike, settings: dict) -> pathlib.Path:
     """A LoRA run directory `out`: base run `base_run`'s latest parameters plus fresh adapters of `settings`
     (the `lora:` section: rank, alpha, dropout, target; missing keys keep their defaults)."""
+    settings = dict(settings)
+    quantized = settings.get("base_format", "float") != "float"
+    if settings.get("checkpoint") == "adapters":  # The frozen base is read from the base run, or OUT/base (QLoRA).
+        settings["base_run"] = str(pathlib.Path(out if quantized else base_run).resolve() / ("base" if quantized else ""))
     experiment, params, _ = _with_fresh_adapters(base_run, settings, out)
+    if settings.get("checkpoint") == "adapters" and quantized:
+        _save_base(experiment, params, pathlib.Path(settings["base_run"]))
     save_model(experiment, params, out)
     return pathlib.Path(out)
 
 
-def _overlay(params: Any, base: Any) -> Any:
-    """`params` with every leaf that `base` has at the same path replaced by base's."""
+def _save_base(experiment: Any, params: Any, base_dir: pathlib.Path) -> None:
+    """Writes the frozen parameters of `params` (the adapters left out) as step 0 of `base_dir/checkpoints`."""
+    from axcore.checkpoint.plugin import BACKENDS
+    from axcore.trainer.resume import params_only_metadata
+
+    from axcore_lora.checkpoint import split_params
+
+    _, frozen = split_params(params)
+    settings = experiment.config.trainer.checkpoint.backend_settings
+    backend = BACKENDS[settings["inner"]](base_dir / "checkpoints", async_save=False, **settings["inner_settings"])
+    try:
+        backend.save(0, {"params": jax.tree.map(jax.numpy.asarray, frozen)},
+                     params_only_metadata(0, experiment.config.trainer.seed))
+        backend.wait()
+    finally:
+        backend.close()
+
+
+def _overlay(params: Any, base: Any, specs: Any) -> Any:
+    """`params` with every leaf that `base` has at the same path replaced by base's; a float base weight
+    where `specs` declares a quantized one (QLoRA, `lora.base_format`) is quantized first."""
     if isinstance(params, dict):
-        return {k: _overlay(v, base[k]) if isinstance(base, dict) and k in base else v for k, v in params.items()}
-    return np.asarray(base)
+        return {k: _overlay(v, base[k], specs[k]) if isinstance(base, dict) and k in base else v
+                for k, v in params.items()}
+    base = np.asarray(base)
+    if quantized_init(specs) is not None and base.dtype != params.dtype:
+        return quantize_as(specs, base)
+    return base
 
 
 def merged_weight(weight: np.ndarray, contract: tuple[int, ...], a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
@@ -243,7 +273,7 @@ def merge(run: str | os.PathLike, out: str | os.PathLike, *, step: int | None = 
     if settings is None:
         raise PeftAdapterError(f"Run {loaded.source} does not use the lora plugin; there is nothing to merge.")
     scale = settings.alpha / settings.rank
-    params = jax.device_get(loaded.params)
+    params = _dequantized(jax.device_get(loaded.params), loaded.model.parameter_specs())
     for _, state, index, weight_path, kind in _modules(params, _num_layers(loaded.experiment)):
         pair = _get(params, state)
         if pair is None or A not in pair:
@@ -267,6 +297,13 @@ def merge(run: str | os.PathLike, out: str | os.PathLike, *, step: int | None = 
     ((raw.get("trainer") or {}).get("learner") or {}).pop("trainable", None)
     save_model(_load_raw(raw, out), params, out)
     return pathlib.Path(out)
+
+
+def _dequantized(params: Any, specs: Any) -> Any:
+    """`params` with every quantized base weight (QLoRA) as float32 values in the declared layout."""
+    if isinstance(params, dict):
+        return {k: _dequantized(v, specs[k]) for k, v in params.items()}
+    return dequantize_as(specs, params) if quantized_init(specs) is not None else params
 
 
 def _drop_adapters(tree: Any) -> Any:

@@ -172,3 +172,27 @@ def test_init_adds_fresh_adapters_that_change_nothing(imported, tmp_path, capsys
     assert main(["lora", "init", str(root / "base"), str(tmp_path / "big"), "--rank", "48"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'lora.rank' (48) is larger than projection decoder.layer0.self_attention.k_proj" in err[0]
+
+
+def test_qlora_init_quantizes_the_imported_base_and_merge_dequantizes_it(imported, tmp_path):
+    """`lora init --base-format nf4`: the targeted weights are stored as NF4 bytes ([blocks of 64, 32 code bytes +
+    a float32 absmax]); merged (B = 0) they come back within NF4's bound of the base: absmax x 0.304 / 2 (the
+    widest gap of the code, -1 -> -0.6962), and the QLoRA run's logits are the merged run's."""
+    _, _, root = imported
+    run, merged_run = tmp_path / "qlora", tmp_path / "merged"
+    assert main(["lora", "init", str(root / "base"), str(run), "--rank", "2", "--base-format", "nf4"]) == 0
+    loaded, base = load_model(run), load_model(root / "base")
+    assert loaded.experiment.settings["lora"].base_format == "nf4"
+    stored = np.asarray(loaded.params["decoder"]["layer0"]["self_attention"]["wq"])
+    assert stored.dtype == np.uint8 and stored.shape == (64 * 64 // 64, 36)
+    assert main(["lora", "merge", str(run), str(merged_run)]) == 0
+    merged = load_model(merged_run)
+    for i in range(TINY["num_hidden_layers"]):
+        for path in [("self_attention", "wq"), ("self_attention", "wo"), ("feed_forward", "down_proj", "weight")]:
+            w = np.asarray(_get(base.params["decoder"][f"layer{i}"], path))
+            got = np.asarray(_get(merged.params["decoder"][f"layer{i}"], path))
+            in_dims = 2 if path[-1] == "wo" else 1  # [out, in] rows, blocks of 64 along in.
+            rows, got_rows = (x.reshape(int(np.prod(x.shape[:in_dims])), -1).T.reshape(-1, 64) for x in (w, got))
+            bound = np.abs(rows).max(axis=1, keepdims=True) * (1.0 - 0.6961928009986877) / 2
+            assert np.all(np.abs(got_rows - rows) <= bound * (1 + 1e-6)) and np.abs(got_rows - rows).max() > 0, path
+    np.testing.assert_allclose(_axcore_logits(run), _axcore_logits(merged_run), rtol=1e-5, atol=1e-5)
