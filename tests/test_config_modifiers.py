@@ -21,6 +21,7 @@ from axcore.experiment.config_modifiers import (
 )
 from axcore.kernels import XlaAttention
 from axcore.layers import BaseLayer, CausalLM
+from axcore.layers.base import checkpoint_policy
 from axcore.plugin.loading import create_plugin_manager
 
 from tiny import TINY
@@ -73,8 +74,9 @@ def test_mesh_shape_fails_naming_the_mesh():
 
 def test_remat_policies_map_to_jax_checkpoint_policies():
     assert REMAT_POLICIES == {"none": None, "full": "nothing_saveable",
-                              "save_matmul_outputs": "dots_with_no_batch_dims_saveable"}
-    assert all(p is None or callable(getattr(jax.checkpoint_policies, p)) for p in REMAT_POLICIES.values())
+                              "save_matmul_outputs": "dots_with_no_batch_dims_saveable",
+                              "offload_matmul_outputs": "offload_dot_with_no_batch_dims(device,pinned_host)"}
+    assert all(p is None or callable(checkpoint_policy(p)) for p in REMAT_POLICIES.values())
 
 
 def test_remat_sets_the_policy_on_the_matching_layers_only(exp):

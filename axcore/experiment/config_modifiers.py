@@ -17,7 +17,11 @@ entries of an experiment's `mesh_rules[i].modifiers`):
   `paths` (the outermost ones; for `none`, all): `none` (save every activation),
   `full` (`nothing_saveable`: keep only each layer's inputs) or `save_matmul_outputs`
   (`dots_with_no_batch_dims_saveable`: keep the outputs of weight matmuls and
-  recompute the rest, attention scores included, since their matmuls are batched).
+  recompute the rest, attention scores included, since their matmuls are batched) or
+  `offload_matmul_outputs` (`offload_dot_with_no_batch_dims(device,pinned_host)`: the
+  same outputs, moved to host memory (`pinned_host`) after the forward pass and back
+  for the backward; device memory as `full`, the recomputation as `save_matmul_outputs`;
+  the backend must have a `pinned_host` memory kind: GPU and TPU do).
 - `microbatches(count)`: `trainer.microbatches` (gradient accumulation).
 - `attention_kernel(kernel, paths=".*")`: `kernels: {attention: KERNEL}` on the
   attention layers whose module path matches; KERNEL must be a registered
@@ -47,8 +51,14 @@ from axcore.config.base import coerce
 from axcore.errors import AxcoreError, ConfigError, NoMatchError, UnknownComponentError, did_you_mean
 from axcore.markers import hookimpl
 
-# `remat` policy -> jax.checkpoint_policies name (None: no rematerialization).
-REMAT_POLICIES = {"none": None, "full": "nothing_saveable", "save_matmul_outputs": "dots_with_no_batch_dims_saveable"}
+# `remat` policy -> jax.checkpoint_policies name or factory call (`axcore.layers.base.checkpoint_policy`;
+# None: no rematerialization).
+REMAT_POLICIES = {
+    "none": None,
+    "full": "nothing_saveable",
+    "save_matmul_outputs": "dots_with_no_batch_dims_saveable",
+    "offload_matmul_outputs": "offload_dot_with_no_batch_dims(device,pinned_host)",
+}
 # Tags the config nodes of a probe copy of the model with their paths, so built modules lead back to them.
 _ORIGIN = "_axcore_config_origin"
 
@@ -215,7 +225,7 @@ def mesh_shape(shape: Sequence[int], axis_names: Sequence[str] | None = None) ->
     return dataclasses.replace(this, fn=fn)
 
 
-def remat(policy: Literal["none", "full", "save_matmul_outputs"], paths: str) -> Modifier:
+def remat(policy: Literal["none", "full", "save_matmul_outputs", "offload_matmul_outputs"], paths: str) -> Modifier:
     """Sets `remat_policy` on the layers whose module path matches `paths` (see the module docstring)."""
     this = Modifier("remat", {"policy": policy, "paths": paths})
     if policy not in REMAT_POLICIES:
