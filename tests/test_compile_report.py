@@ -7,7 +7,14 @@ import sys
 import pytest
 
 from axcore.cli import main
-from axcore.cli.compile import compile_step, format_bytes, parameter_counts, parse_bytes, scan_corrected_flops
+from axcore.cli.compile import (
+    compile_step,
+    format_bytes,
+    parameter_counts,
+    parse_bytes,
+    scan_corrected_flops,
+    with_layers,
+)
 from axcore.config.traversal import is_config_of
 from axcore.errors import AxcoreError
 from axcore.experiment import load_experiment
@@ -91,6 +98,14 @@ def test_scan_correction_matches_the_unrolled_stack():
     assert reference.while_loops == 0
     assert abs(corrected["flops"] / reference.flops - 1) < 0.01, (corrected, reference.flops)
     assert corrected["fixed"] > 0 and corrected["per_layer"] > 0 and corrected["inner_while_loops"] == 0
+
+
+def test_scan_correction_compiles_a_chunked_loss_in_one_chunk():
+    chunked = load_experiment("scan", [*TINY, "mesh.instance_type=cpu-1", "model.loss_chunk_len=4"])
+    one = with_layers(chunked, 1)
+    assert one.config.model.loss_chunk_len == 16 and chunked.config.model.loss_chunk_len == 4
+    # No loop left, neither the layers' nor the loss chunks': XLA's FLOP count holds every chunk of the head.
+    assert compile_step(one).while_loops == 0
 
 
 @pytest.mark.slow

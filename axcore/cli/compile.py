@@ -203,7 +203,10 @@ def layers_per_unit(experiment: Experiment) -> int:
 
 
 def with_layers(experiment: Experiment, num_layers: int) -> Experiment:
-    """The experiment with `model.num_layers = num_layers` and every scanned stack fully unrolled."""
+    """The experiment with `model.num_layers = num_layers`, every scanned stack fully unrolled, and a chunked
+    loss (`loss_chunk_len`) in one chunk: its scan of one step leaves no loop, so every chunk of the head is
+    counted (XLA then merges the backward's recomputation of the logits with the forward: the head's
+    forward is counted once, as without chunks)."""
     from axcore.config.traversal import replace
     from axcore.layers.transformer import RepeatedTransformer
 
@@ -212,6 +215,8 @@ def with_layers(experiment: Experiment, num_layers: int) -> Experiment:
         allow_no_match=True,
     )
     model.num_layers = num_layers
+    if "loss_chunk_len" in model.keys() and model.loss_chunk_len is not None:
+        model.loss_chunk_len = experiment.config.input.seq_len
     return dataclasses.replace(experiment, config=experiment.config.clone(model=model))
 
 
