@@ -14,6 +14,7 @@ from axcore.experiment.config_modifiers import (
     REMAT_POLICIES,
     attention_kernel,
     build_modifier,
+    chunked_loss,
     compute_dtype,
     mesh_shape,
     microbatches,
@@ -235,6 +236,20 @@ def test_microbatches_sets_the_trainer_field(exp):
     assert _apply(microbatches(2), exp).trainer.microbatches == 2
 
 
+def test_chunked_loss_sets_the_models_loss_chunk_len(exp, tmp_path):
+    assert exp.config.model.loss_chunk_len is None
+    assert _apply(chunked_loss(8), exp).model.loss_chunk_len == 8
+    with pytest.raises(ConfigError, match=r"chunked_loss\(chunk_len=0\): chunk_len must be a positive integer"):
+        chunked_loss(0)
+    # From a mesh rule in YAML, as a long-context rule would turn it on.
+    path = tmp_path / "exp.yaml"
+    path.write_text(
+        "mesh_rules:\n  - {name: long, instance_type: '.*', modifiers: [{type: chunked_loss, chunk_len: 16}]}\n"
+    )
+    loaded = load_experiment(str(path), FIXED)
+    assert loaded.config.model.loss_chunk_len == 16 and "chunked_loss(chunk_len=16)" in loaded.flat()
+
+
 def test_microbatches_must_divide_the_batch(exp):
     with pytest.raises(ConfigError, match=r"microbatches\(count=3\): input\.batch_size 4 is not divisible"):
         microbatches(3)(exp.config)
@@ -323,7 +338,7 @@ def test_compute_dtype_fails_naming_its_target(exp):
 
 def test_builtin_modifiers_are_registered(registries):
     assert registries.config_modifiers.names() == sorted(
-        ["attention_kernel", "compute_dtype", "mesh_shape", "microbatches", "remat"]
+        ["attention_kernel", "chunked_loss", "compute_dtype", "mesh_shape", "microbatches", "remat"]
     )
     assert registries.config_modifiers.entry("remat").provenance.plugin == "axcore.experiment.config_modifiers"
 

@@ -26,6 +26,8 @@ entries of an experiment's `mesh_rules[i].modifiers`):
 - `attention_kernel(kernel, paths=".*")`: `kernels: {attention: KERNEL}` on the
   attention layers whose module path matches; KERNEL must be a registered
   attention kernel.
+- `chunked_loss(chunk_len)`: `model.loss_chunk_len` (the head and cross-entropy
+  `chunk_len` positions at a time, never the `[batch, seq, vocab]` float32 logits).
 - `compute_dtype(compute="bfloat16", params=None, override=True)`: the model's
   compute dtype; `params=None` leaves the parameter dtype (float32 master weights
   unless the experiment chose another).
@@ -295,6 +297,26 @@ def attention_kernel(kernel: str, paths: str = ".*") -> Modifier:
     return dataclasses.replace(this, fn=fn)
 
 
+def chunked_loss(chunk_len: int) -> Modifier:
+    """Sets `model.loss_chunk_len`: the model's head and cross-entropy computed `chunk_len` positions at a time."""
+    this = Modifier("chunked_loss", {"chunk_len": chunk_len})
+    if not isinstance(chunk_len, int) or isinstance(chunk_len, bool) or chunk_len < 1:
+        raise ConfigError(f"Config modifier {this}: chunk_len must be a positive integer.")
+
+    def fn(self: Modifier, config: Any, registries: Any) -> Any:
+        model = _field(self, config, "model")
+        if "loss_chunk_len" not in model.keys():
+            raise ConfigError(
+                f"Config modifier {self}: model config {model._label()} has no loss_chunk_len field; use a "
+                f"causal_lm or drop this modifier."
+            )
+        new = config.clone()
+        new.model.loss_chunk_len = chunk_len
+        return new
+
+    return dataclasses.replace(this, fn=fn)
+
+
 def compute_dtype(compute: str = "bfloat16", params: str | None = None, override: bool = True) -> Modifier:
     """Sets `model.compute_dtype` (and `model.param_dtype` if `params`); override=False keeps ones the experiment set."""
     arguments = {"compute": compute} | ({} if params is None else {"params": params}) | ({} if override else {"override": False})
@@ -328,6 +350,7 @@ BUILTIN_MODIFIERS = {
     "remat": remat,
     "microbatches": microbatches,
     "attention_kernel": attention_kernel,
+    "chunked_loss": chunked_loss,
     "compute_dtype": compute_dtype,
 }
 
