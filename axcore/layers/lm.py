@@ -67,6 +67,10 @@ def chunked_head_loss(
     every chunk spreads over the devices as the sequence does (when `chunk_len` is a
     multiple of the sequence shards).
 
+    `project` runs inside the scan, so it must record nothing in the output collection
+    (no summaries, no kernel-state updates): a stateful `dot` kernel on the head (e.g. a
+    delayed-scaling fp8 one) is not supported with chunks.
+
     Args:
         project: the head, called on `[b, chunk_len, dim]` slices of `x`.
         x: `[b, seq, dim]` the head's input (after the final norm).
