@@ -13,7 +13,8 @@ compiles on a CPU-only machine (e.g. with 8 forced host devices). The report:
   so a scanned layer stack (`repeated_transformer`) is counted as one layer. If the
   step has a while loop, `flops_per_device` corrects it: the step is compiled again
   with `num_layers` = u and 2u (u = layers per scanned unit), every scan fully
-  unrolled, giving flops(L) = a + b*L (a: embedding, head, loss, optimizer of the
+  unrolled and a chunked loss (`model.loss_chunk_len`) in one chunk, giving
+  flops(L) = a + b*L (a: embedding, head, loss, optimizer of the
   rest; b: one layer's forward, backward and update), evaluated at the real L.
   Without a while loop the XLA figure is already exact and is used as is.
   `flops_per_step` = `flops_per_device` x devices (replicated work, such as a

@@ -305,18 +305,19 @@ class CausalLM(BaseLayer):
         weights = input_batch.get("target_weights")
         if weights is None:
             weights = (labels >= 0).astype(jnp.float32)
-        x = self._hidden(
+        cfg = self._config
+        inputs = (
             input_batch["input_ids"],
             input_batch.get("positions"),
             input_batch.get("kv_mask"),
             input_batch.get("segment_ids"),
         )
-        cfg = self._config
         if cfg.loss_chunk_len is None:
-            loss, metrics = cross_entropy(self._head(x), jnp.maximum(labels, 0), weights, cfg.z_loss_scale)
+            loss, metrics = cross_entropy(self.logits(*inputs), jnp.maximum(labels, 0), weights, cfg.z_loss_scale)
         else:
+            x = self.final_norm(self._hidden(*inputs))
             loss, metrics = chunked_head_loss(
-                self._project, self.final_norm(x), jnp.maximum(labels, 0), weights, cfg.loss_chunk_len, cfg.z_loss_scale
+                self._project, x, jnp.maximum(labels, 0), weights, cfg.loss_chunk_len, cfg.z_loss_scale
             )
         aux = sum_aux_losses(self.output_collection.module_outputs)
         metrics["aux_loss"] = aux
