@@ -76,13 +76,14 @@ def chunked_head_loss(
         x: `[b, seq, dim]` the head's input (after the final norm).
         labels: `[b, seq]` int target ids (>= 0).
         weights: `[b, seq]` float per-token weights.
-        chunk_len: positions of each row per chunk.
+        chunk_len: positions of each row per chunk (at most `seq`).
         z_loss_scale: weight of the z-loss, as in `cross_entropy`.
 
     Returns:
         `(loss, metrics)` as `cross_entropy`.
     """
     batch, seq = labels.shape
+    chunk_len = min(chunk_len, seq)  # A row shorter than a chunk is one chunk, not padded up to chunk_len.
     count = -(-seq // chunk_len)
     pad = count * chunk_len - seq
     if pad:

@@ -57,8 +57,9 @@ def _np_loss(logits, batch, z_loss_scale):
     [
         ({"z_loss_scale": 1e-2}, 4),  # Untied head, 3 chunks of 12 positions.
         ({"z_loss_scale": 1e-3, "lm_head": None, "logits_softcap": 3.0}, 5),  # Tied head, soft-cap, padded to 15.
+        ({}, 4096),  # A chunk longer than the row: one chunk of 12.
     ],
-    ids=["untied_z_loss", "tied_softcap_padded"],
+    ids=["untied_z_loss", "tied_softcap_padded", "one_chunk"],
 )
 def test_chunked_loss_and_gradients_equal_the_unchunked_ones(settings, chunk_len, registries):
     vocab, batch = 48, _batch(48, batch=2, seq=12)
@@ -76,7 +77,7 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_ones(settings, chunk_len
         np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6, err_msg=jax.tree_util.keystr(path))
     # And the loss is the NumPy cross-entropy of the model's logits.
     logits, _ = axcore.functional(plain, params, {"input_ids": batch["input_ids"]}, None, True, method="logits")
-    np.testing.assert_allclose(loss, _np_loss(logits, batch, settings["z_loss_scale"]), rtol=1e-5)
+    np.testing.assert_allclose(loss, _np_loss(logits, batch, settings.get("z_loss_scale", 0.0)), rtol=1e-5)
 
 
 def _largest_f32(hlo: str) -> int:
