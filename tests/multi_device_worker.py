@@ -167,6 +167,8 @@ def main() -> None:
         ("single", [], {"data": 1}, None),
         ("data2_fsdp2_tensor2", [], {"data": 2, "fsdp": 2, "tensor": 2}, "single"),
         ("fsdp2_sequence4", [], {"fsdp": 2, "sequence": 4}, "single"),
+        # The loss in 4 chunks of 8 positions, each spread over the sequence shards; against the unchunked loss.
+        ("fsdp2_sequence4_chunked_loss", ["model.loss_chunk_len=8"], {"fsdp": 2, "sequence": 4}, "single"),
         ("moe_single", MOE, {"data": 1}, None),
         ("moe_data2_fsdp2_expert2", MOE, {"data": 2, "fsdp": 2, "expert": 2}, "moe_single"),
         # A rule naming its own batch axes: the batch also split over the expert axis (GShard-style).

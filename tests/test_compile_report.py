@@ -1,13 +1,21 @@
 """`axcore compile`: the report on the Llama-shaped experiments, the scan FLOP correction, --device-memory."""
 
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
 from axcore.cli import main
-from axcore.cli.compile import compile_step, format_bytes, parameter_counts, parse_bytes, scan_corrected_flops
+from axcore.cli.compile import (
+    compile_step,
+    format_bytes,
+    parameter_counts,
+    parse_bytes,
+    scan_corrected_flops,
+    with_layers,
+)
 from axcore.config.traversal import is_config_of
 from axcore.errors import AxcoreError
 from axcore.experiment import load_experiment
@@ -80,6 +88,20 @@ def test_llama3_70b_resolves_and_counts_70_6b_parameters(capsys):
     assert counts["embedding"] == V * d and counts["non_trainable"] == 0
 
 
+def test_the_131k_long_context_experiment_is_a_1b_llama_with_its_two_rules():
+    """benchmarks/README.md's 131k report compiles this file; its shape and rules, without compiling."""
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "experiments" / "llama3_1b_128k.yaml"
+    exp = load_experiment(str(path), ["mesh.instance_type=cpu-8"])
+    cfg = exp.config
+    assert (cfg.input.batch_size, cfg.input.seq_len, cfg.model.loss_chunk_len) == (1, 131072, 4096)
+    assert exp.mesh_rule.startswith("long-context") and cfg.mesh.axis_rules["seq"] == "sequence"
+    assert cfg.model.decoder.remat_policy == "offload_dot_with_no_batch_dims(device,pinned_host)"
+    L, d, V, H, K, h, F = 16, 2048, 128256, 32, 8, 64, 8192  # Llama 3.2 1B; tied head.
+    assert parameter_counts(exp)["total"] == L * (2 * d * H * h + 2 * d * K * h + 3 * d * F + 2 * d) + V * d + d
+    plain = load_experiment(str(path), ["mesh.instance_type=cpu-8", "mesh.rule=no-context"]).config
+    assert plain.mesh.axis_rules["seq"] is None and plain.model.decoder.remat_policy is None
+
+
 @pytest.mark.slow
 def test_scan_correction_matches_the_unrolled_stack():
     scanned = load_experiment("scan", [*TINY, "mesh.instance_type=cpu-1"])
@@ -91,6 +113,14 @@ def test_scan_correction_matches_the_unrolled_stack():
     assert reference.while_loops == 0
     assert abs(corrected["flops"] / reference.flops - 1) < 0.01, (corrected, reference.flops)
     assert corrected["fixed"] > 0 and corrected["per_layer"] > 0 and corrected["inner_while_loops"] == 0
+
+
+def test_scan_correction_compiles_a_chunked_loss_in_one_chunk():
+    chunked = load_experiment("scan", [*TINY, "mesh.instance_type=cpu-1", "model.loss_chunk_len=4"])
+    one = with_layers(chunked, 1)
+    assert one.config.model.loss_chunk_len == 16 and chunked.config.model.loss_chunk_len == 4
+    # No loop left, neither the layers' nor the loss chunks': XLA's FLOP count holds every chunk of the head.
+    assert compile_step(one).while_loops == 0
 
 
 @pytest.mark.slow

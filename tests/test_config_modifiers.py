@@ -14,6 +14,7 @@ from axcore.experiment.config_modifiers import (
     REMAT_POLICIES,
     attention_kernel,
     build_modifier,
+    chunked_loss,
     compute_dtype,
     mesh_shape,
     microbatches,
@@ -21,6 +22,7 @@ from axcore.experiment.config_modifiers import (
 )
 from axcore.kernels import XlaAttention
 from axcore.layers import BaseLayer, CausalLM
+from axcore.layers.base import checkpoint_policy
 from axcore.plugin.loading import create_plugin_manager
 
 from tiny import TINY
@@ -73,8 +75,9 @@ def test_mesh_shape_fails_naming_the_mesh():
 
 def test_remat_policies_map_to_jax_checkpoint_policies():
     assert REMAT_POLICIES == {"none": None, "full": "nothing_saveable",
-                              "save_matmul_outputs": "dots_with_no_batch_dims_saveable"}
-    assert all(p is None or callable(getattr(jax.checkpoint_policies, p)) for p in REMAT_POLICIES.values())
+                              "save_matmul_outputs": "dots_with_no_batch_dims_saveable",
+                              "offload_matmul_outputs": "offload_dot_with_no_batch_dims(device,pinned_host)"}
+    assert all(p is None or callable(checkpoint_policy(p)) for p in REMAT_POLICIES.values())
 
 
 def test_remat_sets_the_policy_on_the_matching_layers_only(exp):
@@ -233,6 +236,20 @@ def test_microbatches_sets_the_trainer_field(exp):
     assert _apply(microbatches(2), exp).trainer.microbatches == 2
 
 
+def test_chunked_loss_sets_the_models_loss_chunk_len(exp, tmp_path):
+    assert exp.config.model.loss_chunk_len is None
+    assert _apply(chunked_loss(8), exp).model.loss_chunk_len == 8
+    with pytest.raises(ConfigError, match=r"chunked_loss\(chunk_len=0\): chunk_len must be a positive integer"):
+        chunked_loss(0)
+    # From a mesh rule in YAML, as a long-context rule would turn it on.
+    path = tmp_path / "exp.yaml"
+    path.write_text(
+        "mesh_rules:\n  - {name: long, instance_type: '.*', modifiers: [{type: chunked_loss, chunk_len: 16}]}\n"
+    )
+    loaded = load_experiment(str(path), FIXED)
+    assert loaded.config.model.loss_chunk_len == 16 and "chunked_loss(chunk_len=16)" in loaded.flat()
+
+
 def test_microbatches_must_divide_the_batch(exp):
     with pytest.raises(ConfigError, match=r"microbatches\(count=3\): input\.batch_size 4 is not divisible"):
         microbatches(3)(exp.config)
@@ -321,7 +338,7 @@ def test_compute_dtype_fails_naming_its_target(exp):
 
 def test_builtin_modifiers_are_registered(registries):
     assert registries.config_modifiers.names() == sorted(
-        ["attention_kernel", "compute_dtype", "context_parallel", "mesh_shape", "microbatches", "pipeline", "remat"]
+        ["attention_kernel", "chunked_loss", "compute_dtype", "context_parallel", "mesh_shape", "microbatches", "pipeline", "remat"]
     )
     assert registries.config_modifiers.entry("remat").provenance.plugin == "axcore.experiment.config_modifiers"
 

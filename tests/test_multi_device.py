@@ -28,7 +28,9 @@ def results():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", ["data2_fsdp2_tensor2", "fsdp2_sequence4", "moe_data2_fsdp2_expert2", "moe_batch_over_data_expert"]
+    "name",
+    ["data2_fsdp2_tensor2", "fsdp2_sequence4", "fsdp2_sequence4_chunked_loss", "moe_data2_fsdp2_expert2",
+     "moe_batch_over_data_expert"],
 )
 def test_loss_matches_single_device_every_step(results, name):
     run = results["runs"][name]

@@ -13,7 +13,8 @@ compiles on a CPU-only machine (e.g. with 8 forced host devices). The report:
   so a scanned layer stack (`repeated_transformer`) is counted as one layer. If the
   step has a while loop, `flops_per_device` corrects it: the step is compiled again
   with `num_layers` = u and 2u (u = layers per scanned unit), every scan fully
-  unrolled, giving flops(L) = a + b*L (a: embedding, head, loss, optimizer of the
+  unrolled and a chunked loss (`model.loss_chunk_len`) in one chunk, giving
+  flops(L) = a + b*L (a: embedding, head, loss, optimizer of the
   rest; b: one layer's forward, backward and update), evaluated at the real L.
   Without a while loop the XLA figure is already exact and is used as is.
   `flops_per_step` = `flops_per_device` x devices (replicated work, such as a
@@ -223,7 +224,10 @@ def mesh_axes(experiment: Experiment) -> dict[str, int]:
 
 
 def with_layers(experiment: Experiment, num_layers: int) -> Experiment:
-    """The experiment with `model.num_layers = num_layers` and every scanned stack fully unrolled."""
+    """The experiment with `model.num_layers = num_layers`, every scanned stack fully unrolled, and a chunked
+    loss (`loss_chunk_len`) in one chunk: its scan of one step leaves no loop, so every chunk of the head is
+    counted (XLA then merges the backward's recomputation of the logits with the forward: the head's
+    forward is counted once, as without chunks)."""
     from axcore.config.traversal import replace
     from axcore.layers.transformer import RepeatedTransformer
 
@@ -232,6 +236,8 @@ def with_layers(experiment: Experiment, num_layers: int) -> Experiment:
         allow_no_match=True,
     )
     model.num_layers = num_layers
+    if "loss_chunk_len" in model.keys() and model.loss_chunk_len is not None:
+        model.loss_chunk_len = experiment.config.input.seq_len
     return dataclasses.replace(experiment, config=experiment.config.clone(model=model))
 
 

@@ -17,7 +17,11 @@ entries of an experiment's `mesh_rules[i].modifiers`):
   `paths` (the outermost ones; for `none`, all): `none` (save every activation),
   `full` (`nothing_saveable`: keep only each layer's inputs) or `save_matmul_outputs`
   (`dots_with_no_batch_dims_saveable`: keep the outputs of weight matmuls and
-  recompute the rest, attention scores included, since their matmuls are batched).
+  recompute the rest, attention scores included, since their matmuls are batched) or
+  `offload_matmul_outputs` (`offload_dot_with_no_batch_dims(device,pinned_host)`: the
+  same outputs, moved to host memory (`pinned_host`) after the forward pass and back
+  for the backward; device memory as `full`, the recomputation as `save_matmul_outputs`;
+  the backend must have a `pinned_host` memory kind: GPU and TPU do).
 - `microbatches(count)`: `trainer.microbatches` (gradient accumulation).
 - `attention_kernel(kernel, paths=".*")`: `kernels: {attention: KERNEL}` on the
   attention layers whose module path matches; KERNEL must be a registered
@@ -26,6 +30,8 @@ entries of an experiment's `mesh_rules[i].modifiers`):
   scanned layer stack (`repeated_transformer`): the registered pipeline schedule
   `schedule` over the mesh's `stage` axis (`axcore.layers.pipeline`); `repeats` is
   the circular schedule's layer groups per stage.
+- `chunked_loss(chunk_len)`: `model.loss_chunk_len` (the head and cross-entropy
+  `chunk_len` positions at a time, never the `[batch, seq, vocab]` float32 logits).
 - `compute_dtype(compute="bfloat16", params=None, override=True)`: the model's
   compute dtype; `params=None` leaves the parameter dtype (float32 master weights
   unless the experiment chose another).
@@ -51,8 +57,14 @@ from axcore.config.base import coerce
 from axcore.errors import AxcoreError, ConfigError, NoMatchError, UnknownComponentError, did_you_mean
 from axcore.markers import hookimpl
 
-# `remat` policy -> jax.checkpoint_policies name (None: no rematerialization).
-REMAT_POLICIES = {"none": None, "full": "nothing_saveable", "save_matmul_outputs": "dots_with_no_batch_dims_saveable"}
+# `remat` policy -> jax.checkpoint_policies name or factory call (`axcore.layers.base.checkpoint_policy`;
+# None: no rematerialization).
+REMAT_POLICIES = {
+    "none": None,
+    "full": "nothing_saveable",
+    "save_matmul_outputs": "dots_with_no_batch_dims_saveable",
+    "offload_matmul_outputs": "offload_dot_with_no_batch_dims(device,pinned_host)",
+}
 # Tags the config nodes of a probe copy of the model with their paths, so built modules lead back to them.
 _ORIGIN = "_axcore_config_origin"
 
@@ -219,7 +231,7 @@ def mesh_shape(shape: Sequence[int], axis_names: Sequence[str] | None = None) ->
     return dataclasses.replace(this, fn=fn)
 
 
-def remat(policy: Literal["none", "full", "save_matmul_outputs"], paths: str) -> Modifier:
+def remat(policy: Literal["none", "full", "save_matmul_outputs", "offload_matmul_outputs"], paths: str) -> Modifier:
     """Sets `remat_policy` on the layers whose module path matches `paths` (see the module docstring)."""
     this = Modifier("remat", {"policy": policy, "paths": paths})
     if policy not in REMAT_POLICIES:
@@ -321,6 +333,26 @@ def pipeline(schedule: str = "gpipe", microbatches: int = 4, repeats: int | None
     return dataclasses.replace(this, fn=fn)
 
 
+def chunked_loss(chunk_len: int) -> Modifier:
+    """Sets `model.loss_chunk_len`: the model's head and cross-entropy computed `chunk_len` positions at a time."""
+    this = Modifier("chunked_loss", {"chunk_len": chunk_len})
+    if not isinstance(chunk_len, int) or isinstance(chunk_len, bool) or chunk_len < 1:
+        raise ConfigError(f"Config modifier {this}: chunk_len must be a positive integer.")
+
+    def fn(self: Modifier, config: Any, registries: Any) -> Any:
+        model = _field(self, config, "model")
+        if "loss_chunk_len" not in model.keys():
+            raise ConfigError(
+                f"Config modifier {self}: model config {model._label()} has no loss_chunk_len field; use a "
+                f"causal_lm or drop this modifier."
+            )
+        new = config.clone()
+        new.model.loss_chunk_len = chunk_len
+        return new
+
+    return dataclasses.replace(this, fn=fn)
+
+
 def compute_dtype(compute: str = "bfloat16", params: str | None = None, override: bool = True) -> Modifier:
     """Sets `model.compute_dtype` (and `model.param_dtype` if `params`); override=False keeps ones the experiment set."""
     arguments = {"compute": compute} | ({} if params is None else {"params": params}) | ({} if override else {"override": False})
@@ -354,6 +386,7 @@ BUILTIN_MODIFIERS = {
     "remat": remat,
     "microbatches": microbatches,
     "attention_kernel": attention_kernel,
+    "chunked_loss": chunked_loss,
     "compute_dtype": compute_dtype,
     "pipeline": pipeline,
 }

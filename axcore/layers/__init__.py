@@ -4,7 +4,7 @@ from axcore.layers.attention import MultiheadAttention
 from axcore.layers.base import BaseLayer, with_fields
 from axcore.layers.basic import Embedding, LayerNorm, Linear, RMSNorm
 from axcore.layers.feed_forward import Activation, FeedForward
-from axcore.layers.lm import CausalLM, cross_entropy, sum_aux_losses
+from axcore.layers.lm import CausalLM, chunked_head_loss, cross_entropy, sum_aux_losses
 from axcore.layers.pipeline import Circular, GPipe, PipelineSchedule
 from axcore.layers.position import LearnedPositionEmbedding, PositionEmbedding
 from axcore.layers.transformer import RepeatedTransformer, StackedTransformer, TransformerLayer
@@ -27,6 +27,7 @@ __all__ = [
     "RepeatedTransformer",
     "StackedTransformer",
     "TransformerLayer",
+    "chunked_head_loss",
     "cross_entropy",
     "sum_aux_losses",
     "with_fields",

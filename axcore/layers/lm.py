@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Annotated
 
 import jax
@@ -51,6 +52,68 @@ def cross_entropy(logits, labels, weights, z_loss_scale: Annotated[float, NonNeg
     return loss, {"cross_entropy": xent, "z_loss": z_loss, "num_tokens": jnp.sum(weights)}
 
 
+def chunked_head_loss(
+    project: Callable[[jax.Array], jax.Array],
+    x: jax.Array,
+    labels: jax.Array,
+    weights: jax.Array,
+    chunk_len: int,
+    z_loss_scale: float = 0.0,
+) -> tuple[jax.Array, dict]:
+    """`cross_entropy(project(x), labels, weights, z_loss_scale)` without the `[batch, seq, vocab]` logits.
+
+    The positions are split into `ceil(seq / chunk_len)` chunks (padded with weight-0
+    positions); a `lax.scan` runs `project` (the head: `[b, c, dim]` -> float32
+    `[b, c, vocab]`), the logsumexp and the label pick on one chunk at a time and adds up
+    the weighted sums, under `jax.checkpoint` so the backward pass recomputes each
+    chunk's logits instead of saving them: memory O(batch x chunk_len x vocab). Chunk j
+    holds positions j, j + n, j + 2n, ... (n chunks), so under a sequence-sharded mesh
+    every chunk spreads over the devices as the sequence does (when `chunk_len` is a
+    multiple of the sequence shards).
+
+    `project` runs inside the scan, so it must record nothing in the output collection
+    (no summaries, no kernel-state updates): a stateful `dot` kernel on the head (e.g. a
+    delayed-scaling fp8 one) is not supported with chunks.
+
+    Args:
+        project: the head, called on `[b, chunk_len, dim]` slices of `x`.
+        x: `[b, seq, dim]` the head's input (after the final norm).
+        labels: `[b, seq]` int target ids (>= 0).
+        weights: `[b, seq]` float per-token weights.
+        chunk_len: positions of each row per chunk (at most `seq`).
+        z_loss_scale: weight of the z-loss, as in `cross_entropy`.
+
+    Returns:
+        `(loss, metrics)` as `cross_entropy`.
+    """
+    batch, seq = labels.shape
+    chunk_len = min(chunk_len, seq)  # A row shorter than a chunk is one chunk, not padded up to chunk_len.
+    count = -(-seq // chunk_len)
+    pad = count * chunk_len - seq
+    if pad:
+        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+        labels, weights = (jnp.pad(a, ((0, 0), (0, pad))) for a in (labels, weights))
+
+    def chunks(a: jax.Array) -> jax.Array:  # [b, count * chunk_len, ...] -> [count, b, chunk_len, ...]
+        return jnp.moveaxis(a.reshape(batch, chunk_len, count, *a.shape[2:]), 2, 0)
+
+    def body(sums, xs):
+        x_chunk, label_chunk, weight_chunk = xs
+        logits = project(x_chunk).astype(jnp.float32)
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        label_logits = jnp.take_along_axis(logits, label_chunk[..., None], axis=-1)[..., 0]
+        xent_sum = jnp.sum((log_z - label_logits) * weight_chunk)
+        return (sums[0] + xent_sum, sums[1] + jnp.sum(jnp.square(log_z) * weight_chunk)), None
+
+    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    zero = jnp.zeros((), jnp.float32)
+    (xent_sum, z_sum), _ = jax.lax.scan(body, (zero, zero), (chunks(x), chunks(labels), chunks(weights)))
+    total = jnp.sum(weights)
+    num = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)  # All-zero weights give 0, not NaN.
+    xent, z_loss = xent_sum / num, z_sum / num
+    return xent + z_loss_scale * z_loss, {"cross_entropy": xent, "z_loss": z_loss, "num_tokens": total}
+
+
 def sum_aux_losses(module_outputs: dict) -> jax.Array:
     """Sum of every `aux_loss` leaf in a module-output tree (stacked ones summed too)."""
     total = jnp.zeros((), jnp.float32)
@@ -93,6 +156,9 @@ class CausalLM(BaseLayer):
         # In training, when the sequence is split over the `context` mesh axis, reorder each batch into the
         # zigzag order (causal load balancing; docs/context_parallelism.md); no effect without that axis.
         context_load_balance: bool = True
+        # `forward` computes the head and cross-entropy this many positions of each row at a time
+        # (`chunked_head_loss`), never the whole [batch, seq, vocab] float32 logits; None = all at once.
+        loss_chunk_len: Annotated[int, Length] | None = None
 
     @classmethod
     def default_config(cls):
@@ -142,13 +208,16 @@ class CausalLM(BaseLayer):
         The embedded input (`RESIDUAL_AXES`) and the logits (`LOGITS_AXES`) carry sharding
         constraints under a mesh.
         """
+        return self._head(self._hidden(input_ids, positions, kv_mask, segment_ids))
+
+    def _hidden(self, input_ids, positions, kv_mask, segment_ids) -> jax.Array:
+        """The decoder's output `[batch, seq, dim]` (before the final norm); arguments as `logits`."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
         layer_inputs = {"positions": positions, "kv_mask": kv_mask}
         if segment_ids is not None:  # Left out otherwise, so a decoder without segment support still runs.
             layer_inputs["segment_ids"] = segment_ids
-        x = self.decoder(self._embed(input_ids, positions), **layer_inputs)
-        return self._head(x)
+        return self.decoder(self._embed(input_ids, positions), **layer_inputs)
 
     @no_context
     def init_cache(self, batch: int, max_len: int) -> dict:
@@ -198,7 +267,10 @@ class CausalLM(BaseLayer):
     def _head(self, x: jax.Array) -> jax.Array:
         """The decoder's output `[b, t, dim]` -> float32 logits `[b, t, vocab_size]` (final norm, head,
         `logits_softcap`)."""
-        x = self.final_norm(x)
+        return self._project(self.final_norm(x))
+
+    def _project(self, x: jax.Array) -> jax.Array:
+        """The final norm's output `[b, t, dim]` -> float32 logits `[b, t, vocab_size]` (head, `logits_softcap`)."""
         logits = self.lm_head(x) if "lm_head" in self.children else self.embedding.attend(x)
         cap = self._config.logits_softcap
         if cap is not None:
@@ -270,14 +342,21 @@ class CausalLM(BaseLayer):
         weights = input_batch.get("target_weights")
         if weights is None:
             weights = (labels >= 0).astype(jnp.float32)
+        cfg = self._config
+        inputs = (
+            input_batch["input_ids"],
+            input_batch.get("positions"),
+            input_batch.get("kv_mask"),
+            input_batch.get("segment_ids"),
+        )
         with zigzag_layout(shards):
-            logits = self.logits(
-                input_batch["input_ids"],
-                positions=input_batch.get("positions"),
-                kv_mask=input_batch.get("kv_mask"),
-                segment_ids=input_batch.get("segment_ids"),
-            )
-        loss, metrics = cross_entropy(logits, jnp.maximum(labels, 0), weights, self._config.z_loss_scale)
+            if cfg.loss_chunk_len is None:
+                loss, metrics = cross_entropy(self.logits(*inputs), jnp.maximum(labels, 0), weights, cfg.z_loss_scale)
+            else:
+                x = self.final_norm(self._hidden(*inputs))
+                loss, metrics = chunked_head_loss(
+                    self._project, x, jnp.maximum(labels, 0), weights, cfg.loss_chunk_len, cfg.z_loss_scale
+                )
         aux = sum_aux_losses(self.output_collection.module_outputs)
         metrics["aux_loss"] = aux
         return loss + aux, metrics

@@ -93,7 +93,9 @@ class NextToken(Objective):
     """Next-token prediction: the model's own `forward` loss and metrics.
 
     For `CausalLM`: the weighted cross-entropy, plus `model.z_loss_scale` x z-loss, plus every
-    layer's `aux_loss`; metrics cross_entropy, z_loss, num_tokens and aux_loss.
+    layer's `aux_loss`; metrics cross_entropy, z_loss, num_tokens and aux_loss. With
+    `model.loss_chunk_len` (or the `chunked_loss` mesh-rule modifier) the model computes the
+    head and cross-entropy in chunks of positions, never the `[rows, seq, vocab]` logits.
     """
 
     class Config(Objective.Config):

@@ -229,7 +229,7 @@ def axcore_register_config_modifiers(register: RegisterComponent) -> None:
     Returns nothing. Called like the other registration hooks (same order, same
     duplicate-name rule). The matched mesh rule applies its modifiers in order after
     the plugins' config transforms. The built-ins are mesh_shape, remat,
-    microbatches, attention_kernel and compute_dtype (`axcore/experiment/config_modifiers.py`).
+    microbatches, attention_kernel, chunked_loss and compute_dtype (`axcore/experiment/config_modifiers.py`).
     """
 
 
