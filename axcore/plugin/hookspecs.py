@@ -493,8 +493,9 @@ def axcore_runtime_environment(instance_type: str) -> dict[str, str] | None:
     launch-queue size), or None. Set where the XLA flags are, before JAX's backend starts
     and only on a machine probed as the instance type's platform; a variable already in
     the environment is never changed, so the user overrides any of them by setting it.
-    Two plugins giving one variable different values is an error naming both. Compiler
-    flags go through `axcore_xla_flags`, not here.
+    Called on every enabled plugin whenever an experiment is resolved for a known instance
+    type; two plugins giving one variable different values is an error naming both.
+    Compiler flags go through `axcore_xla_flags`, not here.
     """
 
 
