@@ -88,18 +88,20 @@ def test_llama3_70b_resolves_and_counts_70_6b_parameters(capsys):
     assert counts["embedding"] == V * d and counts["non_trainable"] == 0
 
 
-def test_the_131k_long_context_experiment_is_a_1b_llama_with_its_two_rules():
+def test_the_131k_long_context_experiment_is_a_1b_llama_with_its_three_rules():
     """benchmarks/README.md's 131k report compiles this file; its shape and rules, without compiling."""
     path = pathlib.Path(__file__).parents[1] / "benchmarks" / "experiments" / "llama3_1b_128k.yaml"
     exp = load_experiment(str(path), ["mesh.instance_type=cpu-8"])
     cfg = exp.config
     assert (cfg.input.batch_size, cfg.input.seq_len, cfg.model.loss_chunk_len) == (1, 131072, 4096)
-    assert exp.mesh_rule.startswith("long-context") and cfg.mesh.axis_rules["seq"] == "sequence"
+    assert exp.mesh_rule.startswith("long-context") and tuple(cfg.mesh.mesh_axis_names) == ("data", "context")
     assert cfg.model.decoder.remat_policy == "offload_dot_with_no_batch_dims(device,pinned_host)"
     L, d, V, H, K, h, F = 16, 2048, 128256, 32, 8, 64, 8192  # Llama 3.2 1B; tied head.
     assert parameter_counts(exp)["total"] == L * (2 * d * H * h + 2 * d * K * h + 3 * d * F + 2 * d) + V * d + d
     plain = load_experiment(str(path), ["mesh.instance_type=cpu-8", "mesh.rule=no-context"]).config
     assert plain.mesh.axis_rules["seq"] is None and plain.model.decoder.remat_policy is None
+    gspmd = load_experiment(str(path), ["mesh.instance_type=cpu-8", "mesh.rule=sequence-gspmd"]).config
+    assert gspmd.mesh.axis_rules["seq"] == "sequence" and tuple(gspmd.mesh.mesh_axis_names) == ("data", "sequence")
 
 
 @pytest.mark.slow

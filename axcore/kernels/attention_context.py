@@ -14,7 +14,10 @@ accepts runs). The all-gather threshold below is a guess, not yet measured on GP
   `jax.lax.ppermute` (N - 1 hops), each step's block folded into a float32 online
   softmax (running max, sum, output); blocks that causality (or the sliding window)
   hides entirely are skipped with `lax.cond`; each block update is rematerialized
-  in the backward pass, so no `[t_local, T]` scores are kept.
+  in the backward pass, so no `[t_local, T]` scores are kept. A device's queries are
+  folded `block_q` (default 2048) at a time, so one update holds `[block_q, T / 2N]`
+  scores per head rather than `[T / N, T / 2N]`: at 131,072 tokens on 8 devices, 2 GB
+  instead of 8.6 GB per buffer (benchmarks/README.md, "Long context").
 
 Both group query heads over kv heads (GQA without repeating keys), honour segment ids
 (which travel with their K/V block), the key mask, causal and sliding-window masks and
@@ -231,12 +234,20 @@ class RingAttention(_ContextAttention):
     name = "context_ring"
     priority = 20
 
+    def __init__(self, block_q: int = 2048):
+        # Most queries folded in one online-softmax update (the module docstring: memory per update).
+        self.block_q = block_q
+
     def _local(self, problem, shards, zigzag, has_seg, has_mask, q, k, v, *rest):
         q_seg, k_seg, k_mask = _unpack(has_seg, has_mask, rest)
         device = jax.lax.axis_index(CONTEXT_AXIS)
         local_len = q.shape[1]
         q5 = _split_q(q, problem)
-        q_chunks = _stored_chunks(device, local_len, shards, zigzag)
+        q_chunks = [
+            (start + offset, min(self.block_q, length - offset))
+            for start, length in _stored_chunks(device, local_len, shards, zigzag)
+            for offset in range(0, length, self.block_q)
+        ]
         bounds = np.cumsum([0] + [length for _, length in q_chunks])
         accs = [_empty_acc(q5[:, bounds[i] : bounds[i + 1]]) for i in range(len(q_chunks))]
         fold = jax.checkpoint(functools.partial(_fold_block, problem))
