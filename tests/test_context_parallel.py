@@ -7,12 +7,8 @@ The 8-device checks run in one subprocess (`context_parallel_worker.py`, with
 the rest runs here on one device or on abstract meshes.
 """
 
-import json
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +24,8 @@ from axcore.kernels.attention import ZIGZAG_EXTRA, zigzag_permutation
 from axcore.kernels.attention_context import context_layout, zigzag_layout
 from axcore.layers import MultiheadAttention
 
+import tiny
+
 WORKER = pathlib.Path(__file__).parent / "context_parallel_worker.py"
 # Output and gradient error allowed (float32, relative to the largest reference value).
 ATOL = 1e-5
@@ -39,11 +37,7 @@ KERNEL_CASES = ["causal", "causal_balanced_gqa_segments_window"]
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    env.pop("SKIP_KERNELS", None)
-    proc = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return tiny.run_host_device_worker(WORKER, timeout=600)
 
 
 @pytest.mark.slow

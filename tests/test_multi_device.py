@@ -5,13 +5,11 @@ All 8-device work runs in one subprocess (`multi_device_worker.py`, with
 its devices), shared by the tests below through a module fixture.
 """
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+import tiny
 
 WORKER = pathlib.Path(__file__).parent / "multi_device_worker.py"
 # Relative loss difference allowed at every one of the 20 steps (float32; measured ~2e-7).
@@ -20,10 +18,7 @@ RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return tiny.run_host_device_worker(WORKER, timeout=400)
 
 
 @pytest.mark.slow

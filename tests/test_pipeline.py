@@ -5,11 +5,7 @@ added by a plugin) run in one subprocess, `pipeline_worker.py`, shared through a
 fixture; the schedule tables, their bubble and the config errors are checked here.
 """
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -33,10 +29,7 @@ PIPELINED = ["stage4_data2_gpipe", "stage4_data2_circular", "stage2_fsdp2_tensor
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return tiny.run_host_device_worker(WORKER, timeout=600)
 
 
 @pytest.mark.slow

@@ -2,23 +2,18 @@
 tokens as on one device, and the cache laid out on the training activations' logical
 axes (batch over data and fsdp, kv_heads over tensor, as the default rules map them)."""
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+import tiny
 
 WORKER = pathlib.Path(__file__).parent / "sharded_decoding_worker.py"
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return tiny.run_host_device_worker(WORKER, timeout=300)
 
 
 def test_sharded_greedy_decoding_matches_one_device(results):

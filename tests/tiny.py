@@ -37,3 +37,18 @@ def train_steps(exp, steps=3, learning_rate=0.1):
         losses.append(float(loss))
     assert np.all(np.isfinite(losses)), losses
     return params, losses
+
+
+def run_host_device_worker(worker, timeout: float, devices: int = 8) -> dict:
+    """The JSON last line of `python worker` run on `devices` host CPU devices (a fresh process,
+    since the device count is fixed when JAX starts); fails with the worker's stderr tail."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    env.pop("SKIP_KERNELS", None)  # A worker's debugging switch, never inherited.
+    proc = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
