@@ -1,7 +1,7 @@
 """Pipeline parallelism over the `stage` mesh axis (axcore.layers.pipeline).
 
 The 8-device checks (training matches one device, restore across stage counts, a schedule
-added by a plugin) run in one subprocess, `pipeline_worker.py`, shared through a module
+added by a plugin) run in one subprocess, `pipeline_parallel_worker.py`, shared through a module
 fixture; the schedule tables, their bubble and the config errors are checked here.
 """
 
@@ -20,7 +20,7 @@ from axcore.plugin.loading import create_plugin_manager
 
 import tiny
 
-WORKER = pathlib.Path(__file__).parent / "pipeline_worker.py"
+WORKER = pathlib.Path(__file__).parent / "pipeline_parallel_worker.py"
 # Relative loss difference allowed at every one of the 20 steps (float32).
 RTOL = 1e-5
 PIPELINED = ["stage4_data2_gpipe", "stage4_data2_circular", "stage2_fsdp2_tensor2_gpipe",
