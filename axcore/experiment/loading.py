@@ -400,8 +400,7 @@ def _apply_flags_and_join_job(s: _Loading) -> None:
     s.flags_variable = s.manager.flags_environment(s.known_type)
     environment = s.manager.runtime_environment(s.known_type)  # Asked always: a conflict is an error either way.
     if s.apply_xla_flags:
-        _apply_flags(s.config.xla_flags, s.known_type, s.probed, s.flags_variable)
-        _apply_environment(environment, s.known_type, s.probed)
+        _apply_before_backend(s.config.xla_flags, environment, s.known_type, s.probed, s.flags_variable)
     initialize_distributed(s.distributed)
 
 
@@ -420,7 +419,7 @@ def _list_late_flags(s: _Loading) -> None:
     s.config = resolve_experiment_xla_flags(s.config, s.manager, instance_type)
     s.flags_variable = s.manager.flags_environment(instance_type)
     if s.apply_xla_flags:
-        _apply_flags(s.config.xla_flags, instance_type, None, s.flags_variable)
+        _apply_before_backend(s.config.xla_flags, {}, instance_type, None, s.flags_variable)
 
 
 def _validate(s: _Loading) -> None:
@@ -465,37 +464,32 @@ def resolve_experiment_xla_flags(
     return new
 
 
-def _apply_environment(values: Mapping[str, str], instance_type: str, probed: str | None) -> None:
-    """Sets the plugins' runtime environment if this machine is of `instance_type`'s platform.
-
-    Only where the machine was probed before JAX started: known later (`_list_late_flags`),
-    the runtime has read its environment already, so nothing is set there.
-    """
-    if values and instance_platform(probed) == instance_platform(instance_type):
-        added = apply_runtime_environment(values)
-        if added:
-            logger.info("Runtime environment set for %s: %s", instance_type, " ".join(f"{k}={v}" for k, v in added.items()))
-
-
-def _apply_flags(flags: Mapping[str, str], instance_type: str, probed: str | None, variable: str) -> None:
-    """Sets `flags` in `variable` (XLA_FLAGS, ...) if they are for this machine and the backend has not started."""
-    if not flags:
-        return
+def _apply_before_backend(
+    flags: Mapping[str, str] | None, environment: Mapping[str, str], instance_type: str, probed: str | None, variable: str
+) -> None:
+    """Sets `flags` in `variable` (XLA_FLAGS, ...) and the plugins' runtime `environment` if this machine is
+    of `instance_type`'s platform and the backend has not started. Known only late (`_list_late_flags`),
+    the runtime has read its environment already: only flags come from there, and they warn."""
+    flags = flags or {}
     if instance_platform(probed) != instance_platform(instance_type):
-        why = (
-            f"this machine was probed as {probed}"
-            if probed
-            else "no plugin could tell this machine's platform before JAX started (set JAX_PLATFORMS "
-            "or install the hardware plugin)"
-        )
-        logger.warning(
-            "XLA flags for %s not applied: %s. Put them in the %s environment variable to force them: %s",
-            instance_type,
-            why,
-            variable,
-            format_xla_flags(flags, variable),
-        )
+        if flags:
+            why = (
+                f"this machine was probed as {probed}"
+                if probed
+                else "no plugin could tell this machine's platform before JAX started (set JAX_PLATFORMS "
+                "or install the hardware plugin)"
+            )
+            logger.warning(
+                "XLA flags for %s not applied: %s. Put them in the %s environment variable to force them: %s",
+                instance_type,
+                why,
+                variable,
+                format_xla_flags(flags, variable),
+            )
         return
     added = apply_xla_flags(flags, variable=variable)
     if added:
         logger.info("%s set for %s: %s", variable, instance_type, format_xla_flags(added, variable))
+    added = apply_runtime_environment(environment)
+    if added:
+        logger.info("Runtime environment set for %s: %s", instance_type, " ".join(f"{k}={v}" for k, v in added.items()))

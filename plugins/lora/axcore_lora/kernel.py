@@ -154,6 +154,16 @@ def base_dot(problem: DotProblem, x: jax.Array, w: jax.Array, fmt: str) -> jax.A
     return wide_result(contract, x2, rows, problem.output_dtype).reshape(*lead, *problem.out_dims)
 
 
+def _site_support(problem: DotProblem, targeted: bool) -> Support:
+    """Whether the lora extra is on and the site is (`targeted`) or is not a lora target."""
+    settings = _settings(problem)
+    if settings is None:
+        return Support(False, "no lora extra (the lora plugin is not enabled)")
+    if is_target(settings["target"], problem.site) != targeted:
+        return Support(False, f"site {problem.site} {'is not' if targeted else 'is'} a lora target")
+    return unknown_extras(problem, [EXTRA])
+
+
 class LoraDot:
     """The `dot` of a targeted site plus its adapter (module docstring); state `lora_a`, `lora_b`."""
 
@@ -161,12 +171,7 @@ class LoraDot:
     priority = 60
 
     def is_supported(self, problem: DotProblem) -> Support:
-        settings = _settings(problem)
-        if settings is None:
-            return Support(False, "no lora extra (the lora plugin is not enabled)")
-        if not is_target(settings["target"], problem.site):
-            return Support(False, f"site {problem.site} is not a lora target")
-        return unknown_extras(problem, [EXTRA])
+        return _site_support(problem, targeted=True)
 
     def state_specs(self, problem: DotProblem) -> dict[str, ParameterSpec]:
         settings = _settings(problem)
@@ -214,12 +219,7 @@ class LoraBaseDot:
     priority = 60
 
     def is_supported(self, problem: DotProblem) -> Support:
-        settings = _settings(problem)
-        if settings is None:
-            return Support(False, "no lora extra (the lora plugin is not enabled)")
-        if is_target(settings["target"], problem.site):
-            return Support(False, f"site {problem.site} is a lora target")
-        return unknown_extras(problem, [EXTRA])
+        return _site_support(problem, targeted=False)
 
     def weight_spec(self, problem: DotProblem, spec: ParameterSpec) -> ParameterSpec | None:
         return stored_weight_spec(problem, spec)  # With quantize: all, untargeted sites are stored quantized too.
