@@ -210,13 +210,142 @@ def test_the_hardware_plugin_autoloads_for_its_instance_type():
     assert "# mesh rule: myaccel (plugin myaccel)" in experiment.flat()
 
 
+# -- a model from a config (writing-a-plugin.md) ------------------------------------------
+
+
+def test_the_model_from_a_config_snippet_runs_and_its_loss_is_the_cross_entropy(capsys):
+    import jax
+    import numpy as np
+
+    snippet = module("model_from_config", block("writing-a-plugin.md", "python", "import jax, jax.numpy as jnp"))
+    assert "decoder.layer.self_attention.num_kv_heads: 2" in capsys.readouterr().out
+    logits, _ = axcore.functional(
+        snippet.model, snippet.params, (snippet.ids,), None, False, method="logits"
+    )
+    logits = np.asarray(logits, np.float64)  # [2, 16, 256]; every target is id 0.
+    expected = np.mean(np.log(np.exp(logits).sum(-1)) - logits[..., 0])
+    assert logits.shape == (2, 16, 256) and np.isclose(float(snippet.loss), expected, rtol=1e-5)
+    assert jax.tree.leaves(snippet.params)
+
+
+# -- offline tokenizers (data.md) ---------------------------------------------------------
+
+
+def test_the_offline_bpe_recipe_trains_a_tokenizer_that_axcore_trains_with(tmp_path, monkeypatch):
+    import math
+
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("axcore_tokenizers")
+    from axcore.data.sources import read_corpus_documents
+    from axcore.testing import TINY_OVERRIDES, train_steps
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_texts").mkdir()
+    text = read_corpus_documents()[1].decode()  # One shipped novel stands for "your own text".
+    (tmp_path / "my_texts" / "a.txt").write_text(text)
+    monkeypatch.setattr(sys, "argv", ["train_tokenizer.py", "my_texts/a.txt"])
+    module("train_tokenizer", block("data.md", "python", "# train_tokenizer.py: python train_tokenizer.py my_texts/*.txt  ->  tokenizer.json"))
+    library = tokenizers.Tokenizer.from_file("tokenizer.json")  # The library's own reading of the file.
+    assert library.get_vocab_size() == 4096
+
+    (tmp_path / "bpe.yaml").write_text(block("data.md", "yaml", "# bpe.yaml"))
+    experiment = axcore.load_experiment("bpe.yaml", [*TINY_OVERRIDES, "input.batch_size=2"])
+    assert experiment.config.tokenizer.path == str(tmp_path / "tokenizer.json")  # Made absolute.
+    tokenizer = experiment.config.tokenizer.instantiate()
+    sample = text[1000:3000]
+    assert list(tokenizer.encode(sample)) == library.encode(sample, add_special_tokens=False).ids
+    assert tokenizer.eos_id == library.token_to_id("<|endoftext|>")
+    losses = train_steps(experiment, steps=2)
+    # A fresh model predicts about uniformly over the 4096 ids: a loss near ln(4096) = 8.32 nats.
+    assert abs(losses[0] - math.log(4096)) < 0.5 and losses[1] < losses[0]
+
+
+def test_the_imported_models_tokenizer_recipe_reads_the_imports_copy(tmp_path, monkeypatch):
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("axcore_tokenizers")
+    import json
+
+    from tokenizers import models, pre_tokenizers, trainers
+
+    monkeypatch.chdir(tmp_path)
+    kept = tmp_path / "runs" / "llama" / "hf"  # Where `axcore convert hf-to-axcore HF_DIR runs/llama` puts it.
+    kept.mkdir(parents=True)
+    bpe = tokenizers.Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(["a model's own tokenizer, kept by the import"] * 8, trainer)
+    bpe.save(str(kept / "tokenizer.json"))
+    (kept / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    (tmp_path / "own-model.yaml").write_text(block("data.md", "yaml", "# own-model.yaml"))
+    experiment = axcore.load_experiment("own-model.yaml", ["model.dim=32", "model.num_layers=1"])
+    assert experiment.config.tokenizer.path == str(kept)
+    tokenizer = experiment.config.tokenizer.instantiate()
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (bpe.token_to_id("<s>"), bpe.token_to_id("</s>"))
+    ids = list(tokenizer.encode("the import"))
+    assert ids == [bpe.token_to_id("<s>"), *bpe.encode("the import", add_special_tokens=False).ids]  # add_bos
+    assert experiment.config.model.vocab_size >= bpe.get_vocab_size()
+
+
+# -- timings -------------------------------------------------------------------------------
+
+TIMES = re.compile(r"(?<![\d:])\d{1,2}:\d\d(?![\d:])")  # m:ss
+
+
+def _measured():
+    """{(row, column): m:ss} of benchmarks/README.md's wall-clock table, the one place the figures are measured."""
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    section = text.split("## Wall-clock times of the default run and the test suite", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `axcore train`"):
+            rows["run"] = cells[1:3]
+        elif line.startswith("| the test suite"):
+            rows["suite"] = cells[1:3]
+    assert set(rows) == {"run", "suite"}, section
+    return rows
+
+
+def test_the_run_and_suite_timings_are_one_figure_each_everywhere():
+    rows = _measured()
+    run_quiet, run_loaded = rows["run"]
+    suite_quiet, suite_loaded = rows["suite"]
+    run = f"{run_quiet} on 2 quiet CPU\ncores, {run_loaded} with the test suite running beside it"
+    suite = f"{suite_quiet} on 2 quiet cores, {suite_loaded} loaded"
+    for path in (ROOT / "README.md", DOCS / "getting-started.md"):
+        text = path.read_text()
+        flat = " ".join(text.split())
+        assert " ".join(run.split()) in flat and " ".join(suite.split()) in flat, path.name
+        assert sorted(TIMES.findall(text)) == sorted([run_quiet, run_loaded, suite_quiet, suite_loaded]), path.name
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert suite in pyproject and sorted(TIMES.findall(pyproject)) == sorted([suite_quiet, suite_loaded])
+
+
 # -- links -------------------------------------------------------------------------------
 
 
-def test_docs_are_linked_from_the_readme_and_links_resolve():
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lowercase, punctuation but '-' and '_' dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_doc_is_linked_from_the_readme_and_links_and_anchors_resolve():
     readme = (ROOT / "README.md").read_text()
-    for doc in ("getting-started.md", "experiments.md", "writing-a-plugin.md", "writing-a-hardware-plugin.md", "hooks.md"):
+    for doc in sorted(p.name for p in DOCS.glob("*.md")):
         assert f"(docs/{doc})" in readme, f"README links no docs/{doc}"
-    for page in DOCS.glob("*.md"):
-        for target in re.findall(r"\]\(([^)#:]+)\)", page.read_text()):
-            assert (page.parent / target).exists(), f"{page.name} links a missing {target}"
+    for page in [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *DOCS.glob("*.md")]:
+        for target, anchor in re.findall(r"\]\(([^)#:\s]*)(?:#([^)\s]+))?\)", page.read_text()):
+            path = (page.parent / target) if target else page
+            assert path.exists(), f"{page.name} links a missing {target}"
+            if anchor and path.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", path.read_text(), re.M)
+                assert anchor in {_anchor(h) for h in headings}, f"{page.name} links a missing {target}#{anchor}"
+
+
+def test_the_readme_holds_what_a_user_needs_and_stays_short():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 200
+    headings = re.findall(r"^## (.+)$", readme, re.M)
+    assert headings == ["Install and train", "Your own experiment", "Feature plugins", "Tests", "Where to go next"]
