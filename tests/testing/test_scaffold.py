@@ -1,6 +1,7 @@
 """`axcore new-plugin`: each kind, freshly generated, installs with pip and passes its own tests."""
 
 import os
+import re
 
 import pytest
 from throwaway_venv import install_editable, make_venv, run
@@ -59,3 +60,17 @@ def test_a_feature_plugin_says_nothing_it_does_not_do(tmp_path):
     assert texts["README.md"].splitlines()[2] == summary
     assert "TODO: replace the line above" in texts["README.md"]
     assert texts["axcore_my_feature/__init__.py"] == f'"""{summary}"""\n'
+
+
+def test_the_default_directory_is_the_one_the_help_names(tmp_path, monkeypatch, capsys):
+    """The help said `./axcore-NAME` where `label_smoothing` was written to `./axcore-label-smoothing`."""
+    with pytest.raises(SystemExit):
+        main(["new-plugin", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    example = re.search(r"e\.g\. \./(\S+) for (\w+)\)", help_text)
+    assert example and "./axcore-NAME with each '_' written '-'" in help_text, help_text
+    monkeypatch.chdir(tmp_path)
+    directory, name = example.groups()
+    assert main(["new-plugin", name]) == 0
+    assert main(["new-plugin", "label_smoothing", "--kind", "objective"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([directory, "axcore-label-smoothing"])
