@@ -25,6 +25,7 @@ Process-wide (logging and the hook are), one at a time.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import pathlib
@@ -41,10 +42,10 @@ _FORMAT = logging.Formatter("%(asctime)s %(levelname)s [%(threadName)s] %(pathna
 class _Report(logging.Filter):
     """Appends orbax's records and background threads' unraisable exceptions to `path`; drops them elsewhere."""
 
-    def __init__(self, path: pathlib.Path, package_dir: str):
+    def __init__(self, path: pathlib.Path, package_dirs: tuple[str, ...]):
         super().__init__()
         self.path = path
-        self.package_dir = package_dir
+        self.package_dirs = package_dirs  # Orbax's package folders, each ending in os.sep.
         self.lock = threading.Lock()
 
     def write(self, text: str) -> None:
@@ -58,7 +59,7 @@ class _Report(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         """False (not shown) for orbax's records of WARNING and above, after writing them to the file."""
-        if record.levelno < logging.WARNING or not os.path.abspath(record.pathname).startswith(self.package_dir):
+        if record.levelno < logging.WARNING or not os.path.abspath(record.pathname).startswith(self.package_dirs):
             return True
         self.write(_FORMAT.format(record))
         return False
@@ -76,6 +77,13 @@ class _Report(logging.Filter):
 _active: _Report | None = None
 
 
+def _orbax_dirs() -> tuple[str, ...]:
+    """The folders of the `orbax` package, found without importing it (none if it is not installed)."""
+    spec = importlib.util.find_spec("orbax")
+    folders = (spec.submodule_search_locations or ()) if spec is not None else ()
+    return tuple(os.path.join(os.path.abspath(folder), "") for folder in folders)
+
+
 def checkpoint_log_file(run_dir: str | os.PathLike, process_index: int = 0, process_count: int = 1) -> pathlib.Path:
     """The run's checkpoint log: `<run_dir>/logs/checkpoint.log`, `checkpoint-<process index>.log` with several processes."""
     name = "checkpoint.log" if process_count == 1 else f"checkpoint-{process_index}.log"
@@ -86,9 +94,7 @@ def checkpoint_log_file(run_dir: str | os.PathLike, process_index: int = 0, proc
 def save_reports_to(path: str | os.PathLike) -> Iterator[None]:
     """Moves orbax's and background threads' failure reports into the file `path` while active (module docstring)."""
     global _active
-    import orbax.checkpoint
-
-    report = _Report(pathlib.Path(path), os.path.dirname(os.path.abspath(orbax.checkpoint.__file__)))
+    report = _Report(pathlib.Path(path), _orbax_dirs())
     previous = sys.unraisablehook
     logger = logging.getLogger(_LOGGER)
     logger.addFilter(report)
