@@ -125,7 +125,10 @@ class ShardHashes:
                 shard = self._pick()
             if shard is None:
                 return
-            result = self._check(shard)
+            try:
+                result = self._check(shard)
+            except Exception as e:  # Never leave a reader waiting for a result that will not come.
+                result = self._mismatch(self._files[shard][0][0], f"could not be checked ({type(e).__name__}: {e})")
             with self._lock:
                 self._results[shard] = result
                 if result is not _MATCHED and self._failed is None:
