@@ -74,3 +74,10 @@ def test_the_default_directory_is_the_one_the_help_names(tmp_path, monkeypatch, 
     assert main(["new-plugin", name]) == 0
     assert main(["new-plugin", "label_smoothing", "--kind", "objective"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([directory, "axcore-label-smoothing"])
+
+
+def test_the_command_offers_every_kind_the_scaffold_writes(capsys):
+    with pytest.raises(SystemExit):
+        main(["new-plugin", "--help"])
+    offered = re.search(r"--kind \{([a-z_,]+)\}", capsys.readouterr().out).group(1).split(",")
+    assert offered == list(KINDS)
