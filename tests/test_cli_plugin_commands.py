@@ -1,11 +1,16 @@
 """`axcore --help` lists the commands installed plugins add, without importing any plugin.
 
-A temporary `*.dist-info` on the path simulates `pip install` (as in test_entry_points.py).
+A temporary `*.dist-info` on the path simulates `pip install` (as in test_entry_points.py);
+an editable install (`pip install -e`, as a contributor installs the hardware plugins) is
+made for real in a throwaway venv.
 """
 
 import os
 import subprocess
 import sys
+
+import pytest
+from throwaway_venv import install_editable, make_venv
 
 from axcore.experiment import search_plugins
 from axcore.plugin.commands import listed_plugin_commands
@@ -96,3 +101,50 @@ def test_the_listing_agrees_with_the_commands_the_installed_plugins_register():
     }
     assert {(c.name, c.plugin, c.help) for c in listing.commands} == loaded
     assert not listing.unreadable
+
+
+EDITABLE = '''
+import axcore
+
+
+@axcore.hookimpl
+def axcore_register_commands(register):
+    register("edwidgetize", lambda args: 0, help="an editable plugin's command")
+'''
+
+
+@pytest.mark.slow
+def test_help_lists_the_commands_of_an_editable_install_run_beside_its_source(tmp_path):
+    """`pip install -e ./axcore_edwidget`, then `axcore --help` in the folder holding the project.
+
+    The project's folder has the package's name (as `axcore_gpu/axcore_gpu/` in axcore's
+    repository), so from there the import system first sees that folder as a namespace
+    package and only setuptools' editable finder maps `axcore_edwidget.plugin`: the listing
+    must follow the finders as `import` does.
+    """
+    project = tmp_path / "axcore_edwidget"
+    (project / "axcore_edwidget").mkdir(parents=True)
+    (project / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=64"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        '[project]\nname = "axcore-edwidget"\nversion = "0.1.0"\n\n'
+        '[project.entry-points.axcore]\nedwidget = "axcore_edwidget.plugin"\n\n'
+        '[tool.setuptools]\npackages = ["axcore_edwidget"]\n'
+    )
+    (project / "axcore_edwidget" / "__init__.py").write_text("")
+    (project / "axcore_edwidget" / "plugin.py").write_text(EDITABLE)
+    python = make_venv(tmp_path / "venv")
+    install_editable(python, [project])
+    code = "from axcore.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit as e:\n    print('exit', e.code)"
+    check = "import axcore_edwidget.plugin as m; print(m.__file__)"
+    for cwd in (tmp_path, tmp_path / "venv"):  # Beside the project, and elsewhere.
+        result = subprocess.run([python, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+        lines = result.stdout.splitlines()
+        assert "exit 0" in lines, result.stderr[-3000:]
+        assert "Plugin 'edwidget'" not in result.stdout, result.stdout
+        assert any(
+            line.split() == ["edwidgetize", "an", "editable", "plugin's", "command", "[plugin", "edwidget,",
+                             "axcore-edwidget]"]
+            for line in lines
+        ), result.stdout
+        imported = subprocess.run([python, "-c", check], cwd=cwd, capture_output=True, text=True, timeout=120)
+        assert imported.stdout.strip() == str(project / "axcore_edwidget" / "plugin.py"), imported.stderr

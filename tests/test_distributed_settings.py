@@ -1,9 +1,18 @@
-"""Where a process's multi-process settings come from: flags, AXCORE_* variables, a JobSet, Slurm."""
+"""Where a process's multi-process settings come from: flags, AXCORE_* variables, a JobSet, Slurm;
+and the address process 0's coordinator service listens on."""
+
+import logging
+import socket
 
 import pytest
 
 from axcore.cli import main
-from axcore.platform.distributed import DistributedError, DistributedSettings, distributed_settings
+from axcore.platform.distributed import (
+    DistributedError,
+    DistributedSettings,
+    coordinator_bind_address,
+    distributed_settings,
+)
 
 SLURM = {
     "SLURM_JOB_ID": "4242",
@@ -73,3 +82,32 @@ def test_the_cli_reports_bad_settings_in_one_line(capsys):
     assert main(["train", "default", "--coordinator", "127.0.0.1:1", "--num-processes", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--process-id missing" in err
+
+
+@pytest.mark.parametrize(
+    "coordinator, bound",
+    [("127.0.0.1:8476", "127.0.0.1:8476"), ("localhost:9000", "127.0.0.1:9000"), ("0.0.0.0:77", "0.0.0.0:77")],
+)
+def test_the_coordinator_listens_on_its_own_address(coordinator, bound):
+    assert coordinator_bind_address(coordinator, environ={}) == bound
+
+
+def test_an_ipv6_coordinator_is_bracketed():
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    assert coordinator_bind_address("[::1]:8476", environ={}) == "[::1]:8476"
+
+
+def test_a_host_not_of_this_machine_listens_everywhere_with_a_warning(caplog):
+    # 203.0.113.7 (TEST-NET-3) is no machine's own address: JAX's default, and a warning naming the way to choose.
+    with caplog.at_level(logging.WARNING, logger="axcore.platform.distributed"):
+        assert coordinator_bind_address("203.0.113.7:8476", environ={}) is None
+    assert "203.0.113.7" in caplog.text and "JAX_COORDINATOR_BIND_ADDRESS=ADDRESS:8476" in caplog.text
+
+
+def test_jax_coordinator_bind_address_and_slurm_leave_the_choice_to_jax():
+    assert coordinator_bind_address("127.0.0.1:8476", environ={"JAX_COORDINATOR_BIND_ADDRESS": "10.0.0.1:8476"}) is None
+    assert coordinator_bind_address(None, environ={}) is None

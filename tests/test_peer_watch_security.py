@@ -13,11 +13,13 @@ wildcard.
 In two processes (`peer_watch_worker.py`, joined through `jax.distributed` on
 127.0.0.1): a stranger that reaches process 0's port and sends all of the above stops
 neither process; the port listens on 127.0.0.1 only (read from /proc, and refused on the
-machine's other address).
+machine's other address); so does JAX's coordinator service on the coordinator's port
+(JAX's own default is every interface).
 """
 
 import hashlib
 import hmac
+import ipaddress
 import os
 import pathlib
 import re
@@ -252,7 +254,10 @@ def _listening(pid: int) -> list[tuple[str, int]]:
             # /proc prints each 32-bit word of the address in host (little-endian) order.
             raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
             family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
-            found.append((socket.inet_ntop(family, raw), int(hex_port, 16)))
+            address = socket.inet_ntop(family, raw)
+            mapped = ipaddress.ip_address(address).ipv4_mapped if family == socket.AF_INET6 else None
+            # An IPv6 socket bound to ::ffff:127.0.0.1 (as gRPC binds) listens on 127.0.0.1 only.
+            found.append((str(mapped) if mapped else address, int(hex_port, 16)))
     return found
 
 
@@ -286,7 +291,7 @@ def _attack(host: str, port: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_stranger_on_the_port_stops_neither_process(tmp_path):
+def test_a_stranger_on_the_port_stops_neither_process_and_both_ports_listen_on_the_coordinator_only(tmp_path):
     coordinator = f"127.0.0.1:{_free_port()}"
     done = tmp_path / "done"
     worker = pathlib.Path(__file__).with_name("peer_watch_worker.py")
@@ -311,12 +316,17 @@ def test_a_stranger_on_the_port_stops_neither_process(tmp_path):
         host, port = pattern.search(paths[0].read_text()).groups()
         port = int(port)
         assert host == "127.0.0.1"
-        # Independently of the log: process 0's listening sockets on that port, from /proc.
-        assert [a for a in _listening(procs[0].pid) if a[1] == port] == [("127.0.0.1", port)]
+        # Independently of the log: process 0's listening sockets on the watch's port and on the
+        # coordinator's (JAX's coordination service), from /proc.
+        coordinator_port = int(coordinator.rsplit(":", 1)[1])
+        listening = _listening(procs[0].pid)
+        assert [a for a in listening if a[1] == port] == [("127.0.0.1", port)]
+        assert [a for a in listening if a[1] == coordinator_port] == [("127.0.0.1", coordinator_port)], listening
         other = _other_address()
         if other is not None:
-            with pytest.raises(ConnectionRefusedError):
-                socket.create_connection((other, port), timeout=PROMPT).close()
+            for refused in (port, coordinator_port):
+                with pytest.raises(ConnectionRefusedError):
+                    socket.create_connection((other, refused), timeout=PROMPT).close()
 
         assert _attack(host, port) == ["challenge"] * 6  # Every connection reached the watch.
         time.sleep(1.0)  # A loss would have stopped both within about a second.

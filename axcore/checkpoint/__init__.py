@@ -3,7 +3,9 @@
 The backends are registered by the built-in plugin `axcore.checkpoint.plugin` under
 the names `orbax` and `tensorstore`; look them up in `registries.checkpoint_backends`.
 The backend classes are imported lazily (PEP 562), so importing this package loads
-neither JAX nor a storage library.
+neither JAX nor a storage library. `save_reports_to(path)` moves orbax's own reports of
+a failing save (log records, background threads' tracebacks) from the console into a
+log file (the trainer's `<run_dir>/logs/checkpoint.log`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from axcore._lazy import lazy_exports
+from axcore.checkpoint._save_log import checkpoint_log_file, save_reports_to
 from axcore.checkpoint.base import (
     CheckpointBackend,
     CheckpointError,
@@ -30,8 +33,10 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "OrbaxBackend",
+    "checkpoint_log_file",
     "TensorStoreBackend",
     "restore_verified",
+    "save_reports_to",
 ]
 
 

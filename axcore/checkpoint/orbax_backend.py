@@ -17,7 +17,8 @@ before the `checksums` item existed carry CRC32s in `meta["checksums"]` (process
 shards only) and are verified as before. `restore` verifies the metadata and every
 recorded shard contained in what this process restored; any failure, or an
 orbax/TensorStore error, is a one-line CheckpointError naming the step and the item
-or parameter path.
+or parameter path. While the trainer routes orbax's own reports to the run's log file
+(`_save_log`), a failed save's line ends with that file's path.
 
 `set_aside(step)` renames a committed step that failed verification to
 `<step>.corrupt-<UTC time>` (see `_aside`) and reloads the manager's step list, so
@@ -37,7 +38,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import options as ocp_options
 from orbax.checkpoint.path import atomicity as ocp_atomicity
 
-from axcore.checkpoint import _aside, _orbax_checksums, _tree, _verify
+from axcore.checkpoint import _aside, _orbax_checksums, _save_log, _tree, _verify
 from axcore.checkpoint.base import CheckpointError, PyTree
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class OrbaxBackend:
             self._saving = None
             if not isinstance(e, Exception):
                 raise
-            raise CheckpointError(f"Saving {where} failed: {type(e).__name__}: {e}") from e
+            raise CheckpointError(f"Saving {where} failed: {type(e).__name__}: {e}{_save_log.report_hint()}") from e
         _dispatch(pending, where)  # Before returning: a donating step dispatched later runs after it.
 
     def wait(self) -> None:
@@ -134,7 +135,7 @@ class OrbaxBackend:
         except Exception as e:
             raise CheckpointError(
                 f"Saving step {step} in {self.directory} failed: {type(e).__name__}: {e}. "
-                f"The step is not committed; check free space and permissions."
+                f"The step is not committed; check free space and permissions{_save_log.report_hint()}."
             ) from e
 
     # -- listing --------------------------------------------------------------------------

@@ -9,7 +9,7 @@
     axcore compile EXPERIMENT [--set ...] [--device-memory BYTES]
                                                        ahead-of-time compile report, no training
     axcore loc                                         integration cost of each installed plugin
-    axcore new-plugin NAME [--kind feature|hardware|kernel|checkpoint] [--directory DIR]
+    axcore new-plugin NAME [--kind feature|hardware|kernel|checkpoint|objective|data_source] [--directory DIR]
                                                        write a plugin package with hooks and tests
     axcore eval RUN_OR_CKPT [--data PATH ...] [--split validation] [--batch-size N] [--seq-len T]
                 [--max-batches N] [--step S] [--json]  held-out loss and perplexity of a checkpoint
@@ -141,8 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     new_plugin = sub.add_parser("new-plugin", help="write a new plugin package (entry point, hooks, README, tests)")
     new_plugin.add_argument("name", help="plugin (entry-point) name, a lowercase identifier, e.g. my_feature")
-    new_plugin.add_argument("--kind", choices=("feature", "hardware", "kernel", "checkpoint"), default="feature")
-    new_plugin.add_argument("--directory", help="where to write it (default: ./axcore-NAME); must not exist")
+    new_plugin.add_argument(
+        "--kind", choices=("feature", "hardware", "kernel", "checkpoint", "objective", "data_source"), default="feature"
+    )
+    new_plugin.add_argument(
+        "--directory",
+        help="where to write it; must not exist (default: the distribution's name, ./axcore-NAME with each '_' "
+        "written '-', e.g. ./axcore-my-feature for my_feature)",
+    )
     return parser
 
 

@@ -1,6 +1,7 @@
 """`axcore new-plugin NAME --kind KIND`: write a complete, installable plugin package.
 
-The package (directory `axcore-NAME` unless given) holds a `pyproject.toml` with the
+The package (directory `axcore-NAME` with each `_` of NAME written `-`, the
+distribution's name, e.g. `axcore-my-feature` for `my_feature`, unless given) holds a `pyproject.toml` with the
 `axcore` entry point `NAME = "axcore_NAME.plugin"`, the module `axcore_NAME/plugin.py`
 with the hook implementations of its kind, a README, and tests that run axcore's
 conformance suites and fixtures (`axcore.testing`). Kinds:
@@ -9,7 +10,11 @@ conformance suites and fixtures (`axcore.testing`). Kinds:
   attention window on every attention layer);
 - hardware: a mesh rule and XLA flags for `NAME-N` instance types;
 - kernel: an `attention` kernel, forced by name (`kernel: NAME` on an attention layer);
-- checkpoint: a checkpoint backend, `trainer.checkpoint.backend: NAME`.
+- checkpoint: a checkpoint backend, `trainer.checkpoint.backend: NAME`;
+- objective: a training objective, `trainer.objective: {type: NAME}` (a working example
+  to replace: label-smoothed cross-entropy);
+- data_source: a data source, `input.source: {type: NAME}` (a working example to
+  replace: arithmetic exercises made up from a seed).
 
 Freshly generated, `pip install -e DIR` and `pytest DIR` pass as they are. Nothing in
 the package says what the plugin is for: its one-line description (in
@@ -24,9 +29,10 @@ import os
 import re
 import string
 
+from axcore.cli.new_plugin_training import TRAINING_PLUGINS
 from axcore.errors import AxcoreError
 
-KINDS = ("feature", "hardware", "kernel", "checkpoint")
+KINDS = ("feature", "hardware", "kernel", "checkpoint", "objective", "data_source")
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
@@ -348,6 +354,7 @@ class TestBackend(CheckpointBackendConformance):
     commit_marker = COMMIT_MARKER
 ''',
     ),
+    **TRAINING_PLUGINS,
 }
 
 
@@ -360,8 +367,13 @@ def check_name(name: str) -> None:
         )
 
 
+def default_directory(name: str) -> str:
+    """The directory `new_plugin` writes into by default: the distribution's name, `axcore-my-feature` for `my_feature`."""
+    return "axcore-" + name.replace("_", "-")
+
+
 def new_plugin(name: str, kind: str = "feature", directory: str | os.PathLike | None = None) -> list[str]:
-    """Writes the package of plugin `name` of `kind` into `directory` (default `./axcore-NAME`).
+    """Writes the package of plugin `name` of `kind` into `directory` (default `default_directory(name)`).
 
     Returns the paths written. Raises ScaffoldError for a bad name or kind, or an
     existing directory (nothing is overwritten).
@@ -369,7 +381,7 @@ def new_plugin(name: str, kind: str = "feature", directory: str | os.PathLike | 
     check_name(name)
     if kind not in PLUGINS:
         raise ScaffoldError(f"Unknown plugin kind {kind!r}; kinds: {', '.join(KINDS)}.")
-    dist = "axcore-" + name.replace("_", "-")
+    dist = default_directory(name)
     root = os.path.abspath(directory if directory is not None else dist)
     if os.path.exists(root):
         raise ScaffoldError(f"{root} exists already; choose a new directory (--directory) or remove it.")

@@ -17,8 +17,12 @@ shard). So a killed writer never leaves anything that looks finished.
 
 `PreparedShards` opens a dataset in O(number of shards): it reads index.json and the
 `.npy` headers (checking shapes, dtypes and file sizes against the index) and maps a
-shard's arrays only when a document of it is read; nothing is hashed at open
-(`verify()` hashes everything, on request).
+shard's arrays only when a document of it is read; nothing is hashed at open. Before
+a shard's first document is returned, its files' sha256 must have matched index.json:
+they are hashed once, in background threads that start at the first read and go on
+through the other shards (`axcore.data._shard_hashes`), so a flipped byte stops the
+first read of its shard with one DataError naming the file, and no document of a
+corrupt shard is ever used. `verify()` hashes everything at once, on request.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from axcore.data._shard_hashes import ShardHashes, file_sha256
 from axcore.data.errors import DataError
 
 # The value of index.json's "format"; a reader refuses any other.
@@ -49,7 +54,6 @@ _OWN_FILE = re.compile(
 _TMP = re.compile(r"\.tmp-\d+$")
 # Shards whose arrays stay mapped at once (each map holds a file descriptor).
 _OPEN_SHARDS = 64
-_HASH_CHUNK = 1 << 22
 
 
 def shard_name(index: int) -> str:
@@ -310,6 +314,28 @@ class PreparedShards:
                     f"{off[-1]}, not 0 to {token_counts[shard]} tokens (corrupted); re-run axcore prepare."
                 )
         self._maps.clear()
+        self._hashes = ShardHashes(
+            [
+                [(os.path.join(self.path, array_file(name, kind)), str(want)) for kind, want in sorted(sha.items())]
+                for name, sha in zip(names, self._recorded_sha256(index_path))
+            ],
+            self._corrupt,
+        )
+
+    def _recorded_sha256(self, index_path: str) -> list[dict[str, str]]:
+        """Per shard, `{kind: sha256}` from index.json (empty where it records none)."""
+        try:
+            return [dict(entry.get("sha256") or {}) for entry in self.index["shards"]]
+        except (AttributeError, TypeError, ValueError) as e:
+            raise DataError(f"{self._field} '{self.path}': '{index_path}' mangles a shard's sha256 ({e}); "
+                            f"re-run axcore prepare.") from None
+
+    def _corrupt(self, path: str, problem: str) -> str:
+        """The message of the DataError for a shard file that fails its sha256 check."""
+        return (
+            f"{self._field} '{self.path}': '{path}' {problem} (corrupted); delete the shard's files and its "
+            f"done.json and re-run axcore prepare (it redoes that shard), or check with axcore prepare --verify."
+        )
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -349,6 +375,7 @@ class PreparedShards:
     def document(self, i: int) -> dict:
         """Document `i`: `{"tokens": int32 [n]}` plus `"loss_mask": uint8 [n]` when the data has masks (copies)."""
         shard, k = self._locate(int(i))
+        self._hashes.require(shard)  # Never a document of a shard whose files fail their sha256.
         arrays = self._arrays(shard)
         start, end = int(arrays["offsets"][k]), int(arrays["offsets"][k + 1])
         if not 0 <= start <= end <= self._tokens_per_shard[shard]:
@@ -361,6 +388,8 @@ class PreparedShards:
 
     def document_lengths(self) -> np.ndarray:
         """int64 `[num_documents]`: the token count of every document (reads the offsets files)."""
+        for shard in range(self.num_shards):
+            self._hashes.require(shard)
         parts = [np.diff(np.asarray(self._arrays(s)["offsets"], np.int64)) for s in range(self.num_shards)]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
@@ -390,15 +419,8 @@ class PreparedShards:
         for shard, entry in enumerate(self.index["shards"]):
             for kind, want in dict(entry.get("sha256", {})).items():
                 file = os.path.join(self.path, array_file(self._names[shard], kind))
-                digest = hashlib.sha256()
-                with open(file, "rb") as f:
-                    while chunk := f.read(_HASH_CHUNK):
-                        digest.update(chunk)
-                if digest.hexdigest() != want:
-                    raise DataError(
-                        f"{self._field} '{self.path}': '{file}' does not match its sha256 in index.json (corrupted); "
-                        f"delete the shard's files and its done.json and re-run axcore prepare (it redoes that shard)."
-                    )
+                if file_sha256(file) != want:
+                    raise DataError(self._corrupt(file, "does not match its sha256 in index.json"))
             arrays = self._arrays(shard)
             if np.any(np.diff(np.asarray(arrays["offsets"])) < 0):
                 raise DataError(f"{self._field} '{self.path}': shard {self._names[shard]} has decreasing offsets.")

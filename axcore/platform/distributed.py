@@ -33,15 +33,27 @@ with `AXCORE_WATCH_PEERS=0`); a process lost silently (host down, network cut) i
 by JAX's heartbeat after `heartbeat_timeout` seconds (`AXCORE_HEARTBEAT_TIMEOUT`), which
 aborts the others. Restarting all processes with the same run directory resumes from the
 last committed checkpoint.
+
+What process 0's coordinator service listens on (`coordinator_bind_address`): the
+coordinator's own address, never every interface (JAX's default, `[::]:PORT`): the
+host of `--coordinator HOST:PORT` (or its environment, JobSet or launcher variant)
+resolved, IPv4 first, to an address of this machine, on its port. Where that host is
+not an address of this machine (a load balancer's or NAT's address), the service
+listens on every interface, with a warning that names the host and the way to choose:
+`JAX_COORDINATOR_BIND_ADDRESS=ADDRESS:PORT`, which, when set, is always used as given.
+Under Slurm the coordinator host is read by JAX from the node list, so JAX's default
+applies there unless that variable is set.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
 import re
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,6 +71,8 @@ ENV_COORDINATOR_PORT = "AXCORE_COORDINATOR_PORT"
 # Lost-process settings (any source): DistributedSettings.heartbeat_timeout and .watch_peers.
 ENV_HEARTBEAT_TIMEOUT = "AXCORE_HEARTBEAT_TIMEOUT"
 ENV_WATCH_PEERS = "AXCORE_WATCH_PEERS"
+# JAX's own variable for the coordinator service's listening address; used as given when set.
+ENV_BIND_ADDRESS = "JAX_COORDINATOR_BIND_ADDRESS"
 # Port of the JobSet coordinator when AXCORE_COORDINATOR_PORT is unset (JAX's usual one).
 DEFAULT_COORDINATOR_PORT = 8476
 # Variables `srun` sets that JAX's Slurm detection needs.
@@ -179,10 +193,44 @@ def _with_failure_settings(settings: DistributedSettings, environ: Mapping[str, 
     return settings
 
 
+def coordinator_bind_address(coordinator_address: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """Where process 0's coordinator service listens: `ADDRESS:PORT` (module docstring), or None for JAX's choice.
+
+    None when `JAX_COORDINATOR_BIND_ADDRESS` is set (JAX reads it), when the coordinator
+    is unknown (Slurm), or, with a logged warning, when its host is not an address of
+    this machine. An IPv6 address is bracketed (`[::1]:8476`).
+    """
+    if environ.get(ENV_BIND_ADDRESS) or not coordinator_address:
+        return None
+    host, port = coordinator_address.rsplit(":", 1)
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    for family, _, _, _, address in sorted(infos, key=lambda info: info[0] != socket.AF_INET):
+        ip = address[0].split("%")[0]
+        if ipaddress.ip_address(ip).is_unspecified:  # The user asked for every interface.
+            return f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((ip, 0))  # Binds only to an address of this machine.
+            except OSError:
+                continue
+        return f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+    logger.warning(
+        "The coordinator host %r is not an address of this machine, so process 0's coordinator service listens "
+        "on every interface (port %s); set %s=ADDRESS:%s to choose the one it listens on.",
+        host, port, ENV_BIND_ADDRESS, port,
+    )
+    return None
+
+
 def initialize_distributed(settings: DistributedSettings | None) -> None:
     """Joins the job (`jax.distributed.initialize`); nothing for None. Before JAX's backend starts.
 
-    Then, with `settings.watch_peers`, starts `axcore.platform.peer_watch` (its address broadcast
+    Process 0's coordinator service listens on `coordinator_bind_address` (module
+    docstring). Then, with `settings.watch_peers`, starts `axcore.platform.peer_watch` (its address broadcast
     starts the backend: XLA flags must be set by then, as `load_experiment` does).
 
     Raises:
@@ -190,9 +238,11 @@ def initialize_distributed(settings: DistributedSettings | None) -> None:
     """
     if settings is None:
         return
+    bind = coordinator_bind_address(settings.coordinator_address) if settings.process_id in (0, None) else None
     try:
         jax.distributed.initialize(
             coordinator_address=settings.coordinator_address,
+            coordinator_bind_address=bind,
             num_processes=settings.num_processes,
             process_id=settings.process_id,
             initialization_timeout=settings.initialization_timeout,
@@ -258,6 +308,7 @@ def place_batch(batch: Any, sharding: jax.sharding.Sharding) -> Any:
 __all__ = [
     "DistributedError",
     "allgather_json",
+    "coordinator_bind_address",
     "DistributedSettings",
     "distributed_settings",
     "initialize_distributed",

@@ -22,8 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import importlib.util
-import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -101,22 +100,37 @@ class CommandListing:
     skipped: str = ""
 
 
+def _find_spec(name: str, path: list[str] | None) -> Any:
+    """The spec the import system would use for `name` (in package `path`), from `sys.meta_path`'s finders.
+
+    Asks each finder in turn, as `import` does, so an editable install's finder (which
+    setuptools appends after the path finder) resolves the submodules it maps, even
+    where a directory of the same name on `sys.path` (the distribution's own folder,
+    from the current directory) made the package a namespace. Runs no module.
+    """
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        spec = find(name, path) if find is not None else None
+        if spec is not None:
+            return spec
+    return None
+
+
 def _module_source(module: str) -> str:
     """Path of `module`'s source file, found without importing it or its packages (ValueError if none)."""
-    top, *rest = module.split(".")
-    spec = importlib.util.find_spec(top)
-    if spec is None:
-        raise ValueError(f"module {top} is not installed")
-    if not rest:
-        if spec.origin is None or not spec.origin.endswith(".py"):
-            raise ValueError(f"module {module} has no Python source")
-        return spec.origin
-    for directory in spec.submodule_search_locations or ():
-        base = os.path.join(directory, *rest)
-        for path in (base + ".py", os.path.join(base, "__init__.py")):
-            if os.path.isfile(path):
-                return path
-    raise ValueError(f"module {module} is not installed")
+    parts = module.split(".")
+    spec = _find_spec(parts[0], None)
+    for depth in range(1, len(parts) + 1):
+        if spec is None:
+            raise ValueError(f"module {'.'.join(parts[:depth])} is not installed")
+        if depth == len(parts):
+            break
+        if spec.submodule_search_locations is None:
+            raise ValueError(f"module {'.'.join(parts[:depth])} is not a package")
+        spec = _find_spec(".".join(parts[: depth + 1]), list(spec.submodule_search_locations))
+    if spec.origin is None or not spec.origin.endswith(".py"):
+        raise ValueError(f"module {module} has no Python source")
+    return spec.origin
 
 
 def _literal(node: ast.AST | None) -> str | None:

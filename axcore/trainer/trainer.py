@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from axcore.checkpoint import checkpoint_log_file, save_reports_to
 from axcore.data import Split
 from axcore.data.device_loader import DeviceLoader
 from axcore.errors import AxcoreError, one_line
@@ -255,7 +256,9 @@ class Trainer:
         try:
             self._save_config()
             backend = make_checkpoint_backend(tcfg.checkpoint, self.experiment.registries, self.run_dir / "checkpoints")
-            return self._train(backend, train_step, train_pipeline)
+            # Orbax's own reports of a failed save go to this file; the console gets the error's one line.
+            with save_reports_to(checkpoint_log_file(self.run_dir, jax.process_index(), jax.process_count())):
+                return self._train(backend, train_step, train_pipeline)
         except KeyboardInterrupt as e:  # Marked INTERRUPTED, not FAILED; the error's line says how to resume.
             raise self._interrupted(run_dir, e) from None
         except BaseException as e:

@@ -171,3 +171,50 @@ def test_check_tokenizer(tmp_path):
         shards.check_tokenizer({**FINGERPRINT, "vocab_size": 512}, "input.source")
     with pytest.raises(DataError, match=r"\(tokenizer differs\)"):
         shards.check_tokenizer({**FINGERPRINT, "sha256": "cd" * 32}, "input.source")
+
+
+def _flip_last_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_stops_every_read_once_found_naming_its_file(tmp_path, monkeypatch):
+    """Sizes and headers pass (the byte is inside the data); the background sha256 check refuses the shard,
+    and once it is known corrupt, every read (of any shard) refuses with the same line."""
+    import threading
+
+    from axcore.data import _shard_hashes
+
+    parts = [_documents(20, 4, False), _documents(21, 5, False)]
+    _write(tmp_path, parts)
+    _flip_last_byte(tmp_path / "shard-00001.tokens.npy")
+    hashed_on = []
+    real = _shard_hashes.file_sha256
+    monkeypatch.setattr(_shard_hashes, "file_sha256", lambda p: hashed_on.append(threading.current_thread().name) or real(p))
+    shards = PreparedShards(str(tmp_path))  # Opens: the cheap checks pass.
+    assert hashed_on == []  # Nothing hashed at open.
+    message = r"shard-00001\.tokens\.npy' does not match its sha256 in index\.json \(corrupted\)"
+    for i in (4, 8, 0, 3):  # The corrupt shard's documents, then the intact shard's: all refused.
+        with pytest.raises(DataError, match=message):
+            shards.document(i)
+    # Each file hashed once (2 shards x tokens and offsets), never on the reading thread.
+    assert len(hashed_on) == 4 and all(name.startswith("axcore-shard-sha256") for name in hashed_on), hashed_on
+
+
+def test_intact_shards_read_after_their_check(tmp_path):
+    parts = [_documents(23, 4, False), _documents(24, 5, False)]
+    _write(tmp_path, parts)
+    shards = PreparedShards(str(tmp_path))
+    for i, want in enumerate([d for part in parts for d in part]):
+        np.testing.assert_array_equal(shards.document(i)["tokens"], want["tokens"])
+
+
+def test_the_sha256_check_survives_pickling_and_a_restored_copy_checks_again(tmp_path):
+    _write(tmp_path, [_documents(22, 3, False)])
+    shards = PreparedShards(str(tmp_path))
+    shards.document(0)  # Checked and matched here.
+    _flip_last_byte(tmp_path / "shard-00000.tokens.npy")
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(shards)).document(1)["tokens"], shards.document(1)["tokens"])
+    with pytest.raises(DataError, match=r"shard-00000\.tokens\.npy' does not match its sha256"):
+        pickle.loads(pickle.dumps(PreparedShards(str(tmp_path)))).document(0)

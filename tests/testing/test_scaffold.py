@@ -1,16 +1,13 @@
 """`axcore new-plugin`: each kind, freshly generated, installs with pip and passes its own tests."""
 
 import os
-import subprocess
-import sys
-import sysconfig
+import re
 
 import pytest
+from throwaway_venv import install_editable, make_venv, run
 
 from axcore.cli import main
 from axcore.cli.new_plugin import KINDS
-
-TIMEOUT_S = 300
 
 
 @pytest.mark.parametrize("name", ["1abc", "My-Plugin", "class", "a.b", ""])
@@ -28,12 +25,6 @@ def test_an_existing_directory_is_refused(tmp_path, capsys):
     assert os.listdir(tmp_path / "p") == []
 
 
-def _run(args, cwd=None):
-    result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert result.returncode == 0, f"{' '.join(map(str, args))} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-    return result.stdout
-
-
 @pytest.mark.slow
 def test_generated_plugins_install_and_pass_their_tests(tmp_path):
     packages = []
@@ -42,27 +33,12 @@ def test_generated_plugins_install_and_pass_their_tests(tmp_path):
         assert main(["new-plugin", f"gen_{kind}", "--kind", kind, "--directory", str(directory)]) == 0
         assert {p.name for p in directory.iterdir()} == {"pyproject.toml", "README.md", f"axcore_gen_{kind}", "tests"}
         packages.append(directory)
-    # A throwaway venv that sees this environment (axcore, JAX, pytest) through a .pth
-    # file, so installing the generated packages leaves this environment's entry points alone.
-    venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
-    python = str(venv / "bin" / "python")
-    site_packages = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip()
-    parent = sysconfig.get_paths()["purelib"]
-    with open(os.path.join(site_packages, "_axcore_parent_env.pth"), "w") as f:
-        f.write(f"import site; site.addsitedir({parent!r})\n")
-    pip = [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--disable-pip-version-check"]
-    # Editable installs without build isolation need a setuptools with bdist_wheel (>= 70.1): the test
-    # extra installs one here; only an older environment makes the throwaway venv fetch its own.
-    import setuptools
-
-    if tuple(int(p) for p in setuptools.__version__.split(".")[:2]) < (70, 1):
-        _run([*pip, "setuptools>=70.1"])
-    _run([*pip, "--no-deps", "--no-build-isolation", *(a for p in packages for a in ("-e", str(p)))])
-    names = _run([python, "-c", "import importlib.metadata as m; print(*sorted(e.name for e in m.entry_points(group='axcore')))"])
+    python = make_venv(tmp_path / "venv")
+    install_editable(python, packages)
+    names = run([python, "-c", "import importlib.metadata as m; print(*sorted(e.name for e in m.entry_points(group='axcore')))"])
     assert {f"gen_{kind}" for kind in KINDS} <= set(names.split())
     for directory in packages:  # One session each: every package's pytest.ini_options name its plugin.
-        out = _run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=directory)
+        out = run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=directory)
         assert " passed" in out and "failed" not in out and "error" not in out, out
 
 
@@ -84,3 +60,24 @@ def test_a_feature_plugin_says_nothing_it_does_not_do(tmp_path):
     assert texts["README.md"].splitlines()[2] == summary
     assert "TODO: replace the line above" in texts["README.md"]
     assert texts["axcore_my_feature/__init__.py"] == f'"""{summary}"""\n'
+
+
+def test_the_default_directory_is_the_one_the_help_names(tmp_path, monkeypatch, capsys):
+    """The help said `./axcore-NAME` where `label_smoothing` was written to `./axcore-label-smoothing`."""
+    with pytest.raises(SystemExit):
+        main(["new-plugin", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    example = re.search(r"e\.g\. \./(\S+) for (\w+)\)", help_text)
+    assert example and "./axcore-NAME with each '_' written '-'" in help_text, help_text
+    monkeypatch.chdir(tmp_path)
+    directory, name = example.groups()
+    assert main(["new-plugin", name]) == 0
+    assert main(["new-plugin", "label_smoothing", "--kind", "objective"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([directory, "axcore-label-smoothing"])
+
+
+def test_the_command_offers_every_kind_the_scaffold_writes(capsys):
+    with pytest.raises(SystemExit):
+        main(["new-plugin", "--help"])
+    offered = re.search(r"--kind \{([a-z_,]+)\}", capsys.readouterr().out).group(1).split(",")
+    assert offered == list(KINDS)
