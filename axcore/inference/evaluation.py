@@ -259,7 +259,8 @@ def _plan(input_config: Any, max_batches: int | None) -> str:
     if input_config.mixture is None:
         return _bound(max_batches)
     budgets = component_budgets([c.weight for c in input_config.mixture], max_batches)
-    parts = [f"{c.name} {f'{b} batches' if b else 'whole split'}" for c, b in zip(input_config.mixture, budgets)]
+    parts = [f"{c.name} {(f'{b} batch' + 'es' * (b > 1)) if b else 'whole split'}"
+             for c, b in zip(input_config.mixture, budgets)]
     return f", each mixture component alone: {', '.join(parts)}"
 
 
