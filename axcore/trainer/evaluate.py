@@ -15,8 +15,8 @@ Mixtures (`input.mixture`): every component is evaluated on its own, its split's
 alone, so component `c` gets exactly the batches a run whose input is `c` alone would
 evaluate. The budget is shared by weight: `component_budgets` splits `max_batches` in
 proportion to the mixture weights (largest remainders, ties to the earlier component),
-at least one batch each (so 8 batches at weights 3:1 are 6 and 2; a bound below the
-number of components still evaluates one batch of each). No bound evaluates every
+at least one batch each, taken from the largest share (so 8 batches at weights 3:1 are
+6 and 2; a bound below the number of components evaluates one batch of each). No bound evaluates every
 component's whole split. The total is token-weighted, `sum_c loss_c * tokens_c / sum_c
 tokens_c` (the cross-entropy sums over the weight sums), and is what `eval/loss` logs;
 `eval/loss/<name>` and `eval/tokens/<name>` log each component (`eval_metrics`).
@@ -131,8 +131,10 @@ def component_budgets(weights: Sequence[float], max_batches: int | None) -> list
     """Batches per mixture component: `max_batches` split by `weights` (module docstring); 0 = no bound.
 
     Largest remainders on exact fractions: component i gets floor(B w_i / W), and the
-    batches left go one each to the largest fractional parts (ties: the earlier one);
-    then every component gets at least 1. None or 0: `[0] * len(weights)` (whole splits).
+    batches left go one each to the largest fractional parts (ties: the earlier one).
+    A component left with none takes one from the largest budget (the earlier one), so
+    the budgets sum to B when B >= the number of components; below it, each gets 1.
+    None or 0: `[0] * len(weights)` (whole splits).
     """
     if not max_batches:
         return [0] * len(weights)
@@ -142,7 +144,12 @@ def component_budgets(weights: Sequence[float], max_batches: int | None) -> list
     by_remainder = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - budgets[i]), i))
     for i in by_remainder[: max_batches - sum(budgets)]:
         budgets[i] += 1
-    return [max(1, b) for b in budgets]
+    if max_batches < len(budgets):
+        return [1] * len(budgets)
+    for i in [i for i, b in enumerate(budgets) if b == 0]:
+        budgets[budgets.index(max(budgets))] -= 1
+        budgets[i] = 1
+    return budgets
 
 
 def combine(components: Mapping[str, EvalTotals]) -> EvalTotals:
