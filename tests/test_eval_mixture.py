@@ -92,7 +92,7 @@ def test_a_component_equals_numpy_and_the_line_names_what_was_measured(mixed_run
         f"eval at step 2: held-out loss {logged['eval/loss']:.4f} over {logged['eval/tokens']:,.0f} tokens: "
         f"book {logged['eval/loss/book']:.4f} over {logged['eval/tokens/book']:,.0f} tokens (3 batches), "
         f"notes {logged['eval/loss/notes']:.4f} over {logged['eval/tokens/notes']:,.0f} tokens (1 batch"
-    ) and line.endswith("; trainer.eval_batches split by weight"), line
+    ) and line.endswith("; trainer.eval_batches=4 split by weight"), line
     assert weight == logged["eval/tokens/notes"]
     assert xent / weight == pytest.approx(logged["eval/loss/notes"], rel=1e-5)
     # Without a bound, every component's whole split; the result says each one is complete.

@@ -259,7 +259,7 @@ def describe(totals: EvalTotals, bound: str) -> str:
 
     "held-out loss 5.1234 over 16,384 tokens (8 batches, whole split)", or with a mixture
     "held-out loss 5.3700 over 16,384 tokens: man 4.9800 over 12,288 tokens (6 batches),
-    docs 6.5100 over 4,096 tokens (2 batches, whole split); trainer.eval_batches split by weight".
+    docs 6.5100 over 4,096 tokens (2 batches, whole split); trainer.eval_batches=8 split by weight".
     """
     def part(t: EvalTotals) -> str:
         return f"over {t.tokens:,.0f} tokens ({_batches(t.batches)}{', whole split' if t.complete else ''})"

@@ -414,7 +414,7 @@ class Trainer:
         watchdog.beat(step, "eval")
         progress = EvalProgress(self.stream, f"eval at step {step}", on_batch=lambda: watchdog.beat(step, "eval"))
         result = self.evaluate(params, eval_step=eval_step, progress=progress.for_stream)
-        self._say(f"eval at step {step}: {describe(result, 'trainer.eval_batches')}")
+        self._say(f"eval at step {step}: {describe(result, f'trainer.eval_batches={self.cfg.trainer.eval_batches}')}")
         return result
 
     def _say(self, line: str) -> None:
