@@ -92,7 +92,9 @@ class InputConfig(ConfigBase):
         check_components(self.mixture)
         return [(c.name, c.weight, c.source, f"input.mixture[{i}].source") for i, c in enumerate(self.mixture)]
 
-    def sources(self, tokenizer: Tokenizer | None = None, component: str | None = None) -> list[tuple[str, float, DataSource]]:
+    def sources(
+        self, tokenizer: Tokenizer | None = None, component: str | None = None
+    ) -> list[tuple[str, float, DataSource]]:
         """`(name, weight, source)` of each component (or only the mixture's `component`), instantiated, with
         `tokenizer` and config paths set."""
         components = self.components()

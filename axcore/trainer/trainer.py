@@ -242,10 +242,12 @@ class Trainer:
 
         Everything the user's input can break is checked before the run directory is
         created: the data (files, token ids against the vocabulary as batches are read),
-        the memory estimate of the compiled step. The directory is then locked for this
+        the memory estimate of the compiled step, an eval split with nothing held out
+        (`check_evaluable`). The directory is then locked for this
         run (a second run on it gets RunDirectoryError naming the holder). A run that
         fails before its directory holds a committed checkpoint removes the directory
-        it created; otherwise it leaves a FAILED file with the error.
+        it created; otherwise it leaves a FAILED file with the error. An evaluation that
+        fails saves its step first, so what was trained is kept.
         """
         tcfg = self.cfg.trainer
         vocab = self.cfg.model.vocab_size if "vocab_size" in self.cfg.model.keys() else None
@@ -376,8 +378,7 @@ class Trainer:
                         result = self._evaluate_at(step, state["params"], eval_step, watchdog)
                     except Exception:  # This step's training is saved (the run directory kept) before the error stops it.
                         writer.write(step, record)
-                        backend.save(step, state, {"input": gather_input_state(input_state), "step": step})
-                        backend.wait()
+                        self._save_before_failing(step, state, input_state, backend)
                         raise
                     eval_loss = result.loss
                     record.update(eval_metrics(result))
@@ -407,6 +408,14 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_run_end(run)
         return TrainResult(self.run_dir, int(state["step"]), train_loss, eval_loss, run.results.get(SAMPLE, ""))
+
+    def _save_before_failing(self, step: int, state: dict, input_state: dict, backend) -> None:
+        """Saves and commits step `step` after a failed evaluation; a failing save is one line, never the error."""
+        try:
+            backend.save(step, state, {"input": gather_input_state(input_state), "step": step})
+            backend.wait()
+        except Exception as e:
+            print(f"Step {step} could not be saved after the failed evaluation: {one_line(e)}", file=self.stream)
 
     def _evaluate_at(self, step: int, params: dict, eval_step, watchdog) -> EvalTotals:
         """The evaluation of step `step` (`trainer.eval_batches`), its line on the run's stream; progress lines
