@@ -102,3 +102,6 @@ def test_a_component_equals_numpy_and_the_line_names_what_was_measured(mixed_run
     held_out = sorted((run.parent / "notes").iterdir())[1::2]
     assert whole.components["notes"]["tokens"] == sum(len(p.read_bytes()) - 1 for p in held_out)
     assert whole.tokens == sum(part["tokens"] for part in whole.components.values())
+    # The training stream too: each component's own, within the same budget.
+    train = evaluate_run(run, split="train", max_batches=4)
+    assert [(p["batches"], p["complete"]) for p in train.components.values()] == [(3, False), (1, False)]
