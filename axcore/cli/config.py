@@ -34,12 +34,16 @@ def run(args) -> int:
 
 def data_check(experiment) -> str:
     """"ok", or the one-line error of the input sources' cheap checks (paths exist, shard indexes and their
-    tokenizer match; `InputConfig.check`), naming the config path such as input.source.paths[0]."""
+    tokenizer match; `InputConfig.check`), naming the config path such as input.source.paths[0], and of
+    the eval split (`axcore.trainer.evaluate.check_evaluable`: evaluations would find held-out documents)."""
     from axcore.errors import AxcoreError
+    from axcore.trainer.evaluate import check_evaluable
 
     config = experiment.config
     try:
-        config.input.check(config.tokenizer.instantiate())
+        tokenizer = config.tokenizer.instantiate()
+        config.input.check(tokenizer)
+        check_evaluable(config, tokenizer)
     except AxcoreError as e:
         return one_line(e)
     return "ok"

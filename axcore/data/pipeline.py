@@ -92,10 +92,19 @@ class InputConfig(ConfigBase):
         check_components(self.mixture)
         return [(c.name, c.weight, c.source, f"input.mixture[{i}].source") for i, c in enumerate(self.mixture)]
 
-    def sources(self, tokenizer: Tokenizer | None = None) -> list[tuple[str, float, DataSource]]:
-        """`(name, weight, source)` of each component, instantiated, with `tokenizer` and config paths set."""
+    def sources(
+        self, tokenizer: Tokenizer | None = None, component: str | None = None
+    ) -> list[tuple[str, float, DataSource]]:
+        """`(name, weight, source)` of each component (or only the mixture's `component`), instantiated, with
+        `tokenizer` and config paths set."""
+        components = self.components()
+        if component is not None:
+            components = [c for c in components if c[0] == component and self.mixture is not None]
+            if not components:
+                raise DataError(f"input.mixture has no component '{component}'; its components are "
+                                f"{[c.name for c in self.mixture or []]}.")
         out = []
-        for name, weight, cfg, where in self.components():
+        for name, weight, cfg, where in components:
             source = cfg.instantiate()
             if not isinstance(source, DataSource):
                 raise DataError(
@@ -119,8 +128,13 @@ class InputConfig(ConfigBase):
         vocab_size: int | None = None,
         shards: Sequence[int] | None = None,
         num_shards: int = 1,
+        component: str | None = None,
     ) -> InputPipeline:
         """The pipeline of `split` for data shards `shards` (None: all) of `num_shards` (module docstring).
+
+        `component`: the rows of that mixture component alone, exactly the pipeline of an
+        input whose `source` is that component's (how a mixture is evaluated,
+        `axcore.trainer.evaluate`); None: all components, mixed.
 
         `tokenizer` tokenizes text sources and is checked against prepared shards' (None:
         bytes, unchecked); `vocab_size`: token ids are checked against it per document.
@@ -128,7 +142,7 @@ class InputConfig(ConfigBase):
         Raises:
             DataError: bad sizes, missing or malformed data (naming the file and config path).
         """
-        return InputPipeline(self, as_split(split), tokenizer, vocab_size, shards, num_shards)
+        return InputPipeline(self, as_split(split), tokenizer, vocab_size, shards, num_shards, component)
 
     def make_iterator(self, split: Split | str, tokenizer: Tokenizer | None = None, *, vocab_size: int | None = None):
         """Compatibility: `make_pipeline(split, ...)` over one shard; EVAL stops after its one pass."""
@@ -140,7 +154,8 @@ class InputConfig(ConfigBase):
 class InputPipeline:
     """Batches of BATCH_SCHEMA fields `[len(shards) * rows_per_shard, seq_len]` (module docstring)."""
 
-    def __init__(self, cfg: InputConfig, split: Split, tokenizer, vocab_size, shards, num_shards: int):
+    def __init__(self, cfg: InputConfig, split: Split, tokenizer, vocab_size, shards, num_shards: int,
+                 component: str | None = None):
         if not isinstance(num_shards, int) or num_shards < 1 or cfg.batch_size % num_shards:
             raise DataError(
                 f"input.batch_size={cfg.batch_size} must be a multiple of the data shards ({num_shards}); "
@@ -156,7 +171,7 @@ class InputPipeline:
         # EVAL only: raise StopIteration once exhausted (the make_iterator compatibility alias).
         self.stop_when_exhausted = False
         self._cfg, self._vocab_size = cfg, vocab_size
-        self._sources = cfg.sources(tokenizer)
+        self._sources = cfg.sources(tokenizer, component)
         self._names = [name for name, _, _ in self._sources]
         if cfg.worker_processes and any(isinstance(s, StreamedSource) for _, _, s in self._sources):
             raise DataError("input.worker_processes needs random-access sources (prepared, ...); set it to 0.")

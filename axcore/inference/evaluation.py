@@ -7,14 +7,19 @@ The model is loaded with `axcore.inference.run_loading` (its run's experiment, t
 parameters on the experiment's mesh), and the evaluation is the trainer's own
 (`TrainStep.evaluate`, `axcore.trainer.evaluate`): each batch goes through the train
 step object's jitted eval step (`TrainStep.compiled_eval_step`), the weighted cross-entropy and the weights are summed on the device
-and fetched once, and the loss is their ratio (nats per weighted target token).
+and fetched once, and the loss is their ratio (nats per weighted target token). A line
+on stderr says what is evaluated, and a long evaluation prints a progress line every
+few seconds (`axcore.trainer.evaluate.EvalProgress`).
 
 Data: by default the experiment's own input pipeline, its eval split (`--split
 validation`, also called `eval`): one pass in order with padded rows, exactly the
 batches the trainer evaluates, so `axcore eval --max-batches N` equals the run's logged
 `eval/loss` with `trainer.eval_batches=N` (and no bound evaluates the whole split).
 `--split train` evaluates the first `--max-batches` batches of the training stream (it
-is endless, so the bound is required). `data` files replace it: text (`.txt`, any
+is endless, so the bound is required). With `input.mixture`, each component is evaluated
+alone and the total is token-weighted, within the same budget as the trainer's
+(`--max-batches` split by the mixture weights, `axcore.trainer.evaluate`); `components`
+holds each one's result. `data` files replace it: text (`.txt`, any
 other suffix) or JSONL (`.jsonl`, field `text`) files tokenized with the experiment's
 tokenizer, or pre-tokenized token files (`.bin`, `.tokens`; uint16, or uint32 when
 the model's vocabulary exceeds 65,536). Each file is its own token stream (its text as
@@ -33,6 +38,7 @@ the targets of the batches read count, and `complete` is False.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -48,7 +54,7 @@ from axcore.data.schema import BATCH_SCHEMA
 from axcore.errors import AxcoreError
 from axcore.inference.run_loading import LoadedModel, load_model_and_step
 from axcore.platform.distributed import is_primary
-from axcore.trainer.inputs import input_pipeline
+from axcore.trainer.evaluate import EvalProgress, EvalTotals, component_budgets, evaluate_input
 
 # `--split` names -> the source's split ("validation" is the eval split).
 SPLITS = {"validation": Split.EVAL, "eval": Split.EVAL, "train": Split.TRAIN}
@@ -82,6 +88,8 @@ class EvalResult:
     run_dir: str
     # What was evaluated, e.g. "eval split of TextFiles" or the files.
     data: str
+    # With input.mixture: each component's own result {loss, perplexity, tokens, batches, complete}, by name.
+    components: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -178,6 +186,7 @@ def evaluate_run(
     overrides: Sequence[str] = (),
     report: Callable[[str], None] | None = None,
     objects: dict[str, Any] | None = None,
+    progress: EvalProgress | None = None,
 ) -> EvalResult:
     """Loss and perplexity of the run (or checkpoint) at `path` on `data` (module docstring).
 
@@ -191,7 +200,9 @@ def evaluate_run(
         max_batches: stop after this many batches (over all streams); None = all.
         step: the checkpoint step; None = the latest committed (or the step directory's).
         overrides: more `PATH=VALUE` overrides of the run's config (e.g. the mesh).
-        report: one line per checkpoint step skipped (load_model), default stderr.
+        report: one line per checkpoint step skipped (load_model), and the line saying what is
+            evaluated; default stderr (process 0).
+        progress: the progress lines of a long evaluation; None: `EvalProgress` on stderr (process 0).
 
     Raises:
         EvalError, RunLoadError, DataError, ConfigError: bad arguments, run or data.
@@ -204,11 +215,13 @@ def evaluate_run(
     if not data and SPLITS[split] is Split.TRAIN and max_batches is None:
         raise EvalError("--split train reads the endless training stream; pass --max-batches N (its first N batches).")
     sizes = [f"input.batch_size={batch_size}"] * (batch_size is not None) + [f"input.seq_len={seq_len}"] * (seq_len is not None)
-    loaded, train_step = load_model_and_step(path, step=step, overrides=[*overrides, *sizes], report=report,
+    say = report or _to_stderr
+    loaded, train_step = load_model_and_step(path, step=step, overrides=[*overrides, *sizes], report=say,
                                              objects=objects)
     config = loaded.experiment.config
     batch_size, seq_len = config.input.batch_size, config.input.seq_len
     vocab = getattr(config.model, "vocab_size", None)
+    progress = progress or EvalProgress(sys.stderr if is_primary() else io.StringIO(), "eval")
     if data:
         streams = _data_streams(loaded, train_step.tokenizer, data)
         layout = train_step.shard_layout
@@ -216,18 +229,46 @@ def evaluate_run(
                                for s in layout.shards])
         pipeline = _FileBatches(streams, seq_len, batch_size, vocab if isinstance(vocab, int) else None, rows)
         described = "; ".join(what for what, _ in streams)
+        say(f"Evaluating step {loaded.step} of {loaded.source} on {described}{_bound(max_batches)}")
+        totals = train_step.evaluate(loaded.params, train_step.loader(pipeline), max_batches or 0,
+                                     progress=progress.for_stream(None, max_batches))
     else:
-        vocab = vocab if isinstance(vocab, int) else None
-        pipeline = input_pipeline(config.input, SPLITS[split], train_step.tokenizer, vocab, train_step.shard_layout)
         described = f"the {split} split of the run's input pipeline"
-    totals = train_step.evaluate(loaded.params, train_step.loader(pipeline), max_batches or 0)
+        say(f"Evaluating step {loaded.step} of {loaded.source} on {described}{_plan(config.input, max_batches)}")
+        totals = evaluate_input(train_step, loaded.params, SPLITS[split], max_batches, progress=progress.for_stream)
     if totals.tokens <= 0:
         raise EvalError("No target token was evaluated; check the data and --max-batches.")
-    tokens = int(round(totals.tokens))
     return EvalResult(
-        totals.loss, math.exp(totals.loss), tokens, totals.batches, batch_size, seq_len, totals.complete,
-        loaded.step, str(loaded.source), described,
+        totals.loss, math.exp(totals.loss), int(round(totals.tokens)), totals.batches, batch_size, seq_len,
+        totals.complete, loaded.step, str(loaded.source), described,
+        {name: _component(part) for name, part in totals.components.items()},
     )
+
+
+def _to_stderr(line: str) -> None:
+    if is_primary():
+        print(line, file=sys.stderr, flush=True)
+
+
+def _bound(max_batches: int | None) -> str:
+    return f" (the first {max_batches} batches)" if max_batches else " (all of it)"
+
+
+def _plan(input_config: Any, max_batches: int | None) -> str:
+    """The budget of each mixture component, as words (`component_budgets`), or `_bound` without a mixture."""
+    if input_config.mixture is None:
+        return _bound(max_batches)
+    budgets = component_budgets([c.weight for c in input_config.mixture], max_batches)
+    parts = [f"{c.name} {(f'{b} batch' + 'es' * (b > 1)) if b else 'whole split'}"
+             for c, b in zip(input_config.mixture, budgets)]
+    return f", each mixture component alone: {', '.join(parts)}"
+
+
+def _component(totals: EvalTotals) -> dict[str, Any]:
+    """One mixture component's entry of `EvalResult.components`."""
+    loss = totals.loss
+    return {"loss": loss, "perplexity": math.exp(loss) if math.isfinite(loss) else float("nan"),
+            "tokens": int(round(totals.tokens)), "batches": totals.batches, "complete": totals.complete}
 
 
 def format_result(result: EvalResult) -> str:
@@ -236,6 +277,11 @@ def format_result(result: EvalResult) -> str:
         f"step {result.step} of {result.run_dir}: loss {result.loss:.6f} nats/token, perplexity {result.perplexity:.4f} "
         f"over {result.tokens} tokens ({result.batches} batches of {result.batch_size}x{result.seq_len}) on {result.data}"
     )
+    if result.components:
+        line += " (token-weighted over the mixture's components)"
+    for name, part in result.components.items():
+        line += (f"\n  {name}: loss {part['loss']:.6f} nats/token, perplexity {part['perplexity']:.4f} over "
+                 f"{part['tokens']} tokens ({part['batches']} batches{', whole split' if part['complete'] else ''})")
     if not result.complete:
         line += f"\n(stopped after --max-batches {result.batches}: the rest of the data was not evaluated)"
     return line

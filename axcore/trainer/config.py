@@ -77,6 +77,7 @@ class TrainerConfig(ConfigBase):
     # Evaluate on the held-out split every N steps (and at the end); 0 disables.
     eval_every: Annotated[int, NonNegative] = 100
     # Held-out batches per evaluation (the eval split's first ones); 0 or null = the whole eval split.
+    # A mixture's components are evaluated each alone, these batches split by weight (at least 1 each).
     eval_batches: Annotated[int, NonNegative] | None = 8
     # Read metrics back from the device (record, progress, non-finite check) every N steps (and at eval/checkpoint/last).
     log_every: Annotated[int, Positive] = 10

@@ -26,10 +26,13 @@ DATA_WAIT_WARN_FRACTION = 0.1
 DATA_WAIT_SKIP_INTERVALS = 1
 
 
-def input_pipeline(input_config: Any, split: Split, tokenizer: Any, vocab_size: int | None, layout: ShardLayout) -> Any:
-    """`input_config`'s pipeline of `split` for the shards of `layout` (rows `[layout.local_rows, seq_len]`)."""
+def input_pipeline(input_config: Any, split: Split, tokenizer: Any, vocab_size: int | None, layout: ShardLayout,
+                   *, component: str | None = None) -> Any:
+    """`input_config`'s pipeline of `split` for the shards of `layout` (rows `[layout.local_rows, seq_len]`);
+    `component`: only that mixture component's rows (`InputConfig.make_pipeline`)."""
     return input_config.make_pipeline(
-        split, tokenizer, vocab_size=vocab_size, shards=list(layout.shards), num_shards=layout.num_shards
+        split, tokenizer, vocab_size=vocab_size, shards=list(layout.shards), num_shards=layout.num_shards,
+        component=component,
     )
 
 

@@ -288,12 +288,14 @@ class TrainStep:
         shape = (self.cfg.input.batch_size, self.cfg.input.seq_len)
         return DeviceLoader(pipeline, self.batch_sharding, shape, local_rows=self.shard_layout.local_rows, where=where)
 
-    def evaluate(self, params: dict, loader: Any, max_batches: int | None, *, eval_step: Any = None) -> EvalTotals:
+    def evaluate(self, params: dict, loader: Any, max_batches: int | None, *, eval_step: Any = None,
+                 progress: Any = None) -> EvalTotals:
         """Held-out loss of `params` over `loader`'s batches (axcore.trainer.evaluate), at most `max_batches`
-        (None or 0: all); closes `loader`. `eval_step`: a `compiled_eval_step()` to reuse."""
+        (None or 0: all); closes `loader`. `eval_step`: a `compiled_eval_step()` to reuse; `progress`:
+        called `(batches, tokens)` after each batch."""
         eval_step = eval_step or self.compiled_eval_step()
         try:
-            return run_evaluation(eval_step, params, loader, max_batches)
+            return run_evaluation(eval_step, params, loader, max_batches, progress)
         finally:
             loader.close()
 

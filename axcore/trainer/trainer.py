@@ -47,7 +47,7 @@ from axcore.observe import MultiWriter, ProgressLog
 from axcore.platform.distributed import is_primary
 from axcore.trainer.callbacks import SAMPLE, Callback, RunEnd, default_callbacks, sample_text
 from axcore.trainer.config import make_checkpoint_backend
-from axcore.trainer.evaluate import EvalTotals
+from axcore.trainer.evaluate import EvalProgress, EvalTotals, check_evaluable, describe, eval_metrics, evaluate_input
 from axcore.trainer.inputs import DataWaitMeter, gather_input_state, input_pipeline, restore_input_state
 from axcore.trainer.interrupt import InterruptGuard, RunInterrupted, abort, interrupted, resume_command
 from axcore.trainer.memory_check import check_state_memory
@@ -168,12 +168,18 @@ class Trainer:
             pipeline = input_pipeline(self.cfg.input, Split.EVAL, self.tokenizer, vocab, self.shard_layout)
         return self.step.loader(pipeline, "The eval split's batch")
 
-    def evaluate(self, params: dict, max_batches: int | None = None, *, eval_step=None, loader=None) -> EvalTotals:
-        """Held-out loss of `params` (axcore.trainer.evaluate): the eval split from its start, at most
-        `max_batches` batches (None: `trainer.eval_batches`; 0: the whole split)."""
+    def evaluate(self, params: dict, max_batches: int | None = None, *, eval_step=None, loader=None,
+                 progress=None) -> EvalTotals:
+        """Held-out loss of `params` (axcore.trainer.evaluate): the eval split from its start (a mixture's
+        components each alone, the total token-weighted), at most `max_batches` batches (None:
+        `trainer.eval_batches`; 0: the whole split). `loader` replaces the split (one stream);
+        `progress(component, budget)`: a per-batch callback or None (`EvalProgress.for_stream`)."""
         if max_batches is None:
             max_batches = self.cfg.trainer.eval_batches
-        return self.step.evaluate(params, loader or self.eval_loader(), max_batches, eval_step=eval_step)
+        if loader is not None:
+            tick = progress(None, max_batches) if progress is not None else None
+            return self.step.evaluate(params, loader, max_batches, eval_step=eval_step, progress=tick)
+        return evaluate_input(self.step, params, Split.EVAL, max_batches, eval_step=eval_step, progress=progress)
 
     # -- The run ----------------------------------------------------------------------
 
@@ -237,13 +243,16 @@ class Trainer:
 
         Everything the user's input can break is checked before the run directory is
         created: the data (files, token ids against the vocabulary as batches are read),
-        the memory estimate of the compiled step. The directory is then locked for this
+        the memory estimate of the compiled step, an eval split with nothing held out
+        (`check_evaluable`). The directory is then locked for this
         run (a second run on it gets RunDirectoryError naming the holder). A run that
         fails before its directory holds a committed checkpoint removes the directory
-        it created; otherwise it leaves a FAILED file with the error.
+        it created; otherwise it leaves a FAILED file with the error. An evaluation that
+        fails saves its step first, so what was trained is kept.
         """
         tcfg = self.cfg.trainer
         vocab = self.cfg.model.vocab_size if "vocab_size" in self.cfg.model.keys() else None
+        check_evaluable(self.cfg, self.tokenizer)  # An eval split with no document is refused before training.
         if tcfg.check_memory:  # First: a batch too big for host memory is refused before any of it is built.
             check_state_memory(self.abstract_state(), self.mesh, self.cfg.input.batch_size * self.cfg.input.seq_len)
         # This process's data shards only; read in a background thread once training starts.
@@ -368,14 +377,14 @@ class Trainer:
                 train_loss = record["train/loss"]
                 progress.update(step, train_loss, tokens_per_step / step_time, step_time)
                 if evaluate:
-                    watchdog.beat(step, "eval")
-                    result = self.evaluate(state["params"], eval_step=eval_step)
+                    try:
+                        result = self._evaluate_at(step, state["params"], eval_step, watchdog)
+                    except Exception:  # This step's training is saved (the run directory kept) before the error stops it.
+                        writer.write(step, record)
+                        self._save_before_failing(step, state, input_state, backend)
+                        raise
                     eval_loss = result.loss
-                    record["eval/loss"], record["eval/tokens"] = result.loss, result.tokens
-                    self._say(
-                        f"eval at step {step}: loss {result.loss:.4f} over {int(result.tokens)} tokens "
-                        f"({result.batches} batches{'' if result.complete else ', trainer.eval_batches'})"
-                    )
+                    record.update(eval_metrics(result))
                 writer.write(step, record)
                 if save:
                     watchdog.beat(step, "checkpoint save")
@@ -402,6 +411,23 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_run_end(run)
         return TrainResult(self.run_dir, int(state["step"]), train_loss, eval_loss, run.results.get(SAMPLE, ""))
+
+    def _save_before_failing(self, step: int, state: dict, input_state: dict, backend) -> None:
+        """Saves and commits step `step` after a failed evaluation; a failing save is one line, never the error."""
+        try:
+            backend.save(step, state, {"input": gather_input_state(input_state), "step": step})
+            backend.wait()
+        except Exception as e:
+            print(f"Step {step} could not be saved after the failed evaluation: {one_line(e)}", file=self.stream)
+
+    def _evaluate_at(self, step: int, params: dict, eval_step, watchdog) -> EvalTotals:
+        """The evaluation of step `step` (`trainer.eval_batches`), its line on the run's stream; progress lines
+        for a long one, and every batch beats the watchdog."""
+        watchdog.beat(step, "eval")
+        progress = EvalProgress(self.stream, f"eval at step {step}", on_batch=lambda: watchdog.beat(step, "eval"))
+        result = self.evaluate(params, eval_step=eval_step, progress=progress.for_stream)
+        self._say(f"eval at step {step}: {describe(result, f'trainer.eval_batches={self.cfg.trainer.eval_batches}')}")
+        return result
 
     def _say(self, line: str) -> None:
         """One line on the run's stream, below a progress line redrawn on a terminal."""

@@ -72,7 +72,7 @@ def test_training_writes_every_artifact_and_loss_falls(tmp_path, capsys):
     for step, loss in evals:
         tokens = next(r["eval/tokens"] for r in records if r["step"] == step)
         assert 0 < tokens <= 2 * 4 * 32
-        assert f"eval at step {step}: loss {loss:.4f} over {int(tokens)} tokens (2 batches" in captured.err
+        assert f"eval at step {step}: held-out loss {loss:.4f} over {int(tokens):,} tokens (2 batches)" in captured.err
     # The time the loop waited for data, per step and as a share of the step time.
     for record in records:
         assert 0 <= record["train/data_wait"] <= record["train/step_time"]

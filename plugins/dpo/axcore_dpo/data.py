@@ -13,8 +13,8 @@ any model, so they cancel in DPO's margin anyway).
 For the `dpo` objective's paired rows set `input.packing: none` (one document per row),
 `input.shuffle: false`, `input.long_documents: error`, one data shard and
 `eval_fraction: 0` (the held-out rule picks single documents; the plugin refuses other
-settings when `trainer.objective` is dpo); an even `input.batch_size` keeps each pair
-in one batch.
+settings when `trainer.objective` is dpo), hence `trainer.eval_every: 0`; an even
+`input.batch_size` keeps each pair in one batch.
 
 Refused with a DataError naming the file and line: a record whose chosen and rejected
 replies are identical, a missing or mistyped field.

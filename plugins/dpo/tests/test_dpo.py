@@ -3,6 +3,11 @@ a rising reward margin on learnable preferences, paired rows from the preference
 
 import json
 import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +25,8 @@ import tiny
 
 BETA = 0.5
 SEQ = 64
-PAIRED = ["input.packing=none", "input.shuffle=false", "input.long_documents=error", "input.source.eval_fraction=0"]
+PAIRED = ["input.packing=none", "input.shuffle=false", "input.long_documents=error", "input.source.eval_fraction=0",
+          "trainer.eval_every=0"]
 BASE = [*tiny.TINY, "plugins=[dpo]", f"input.seq_len={SEQ}", f"model.position_embedding.max_len={SEQ}",
         f"trainer.objective={{type: dpo, beta: {BETA}}}", *PAIRED]
 
@@ -166,3 +172,36 @@ def test_dpo_with_lora_uses_the_base_as_reference_without_a_copy():
     params = jax.device_get(model.initialize(jax.random.key(0)))
     out = objective.loss(model, params, _batch(), prng_key=None, is_training=False)
     np.testing.assert_allclose(float(out.loss), math.log(2), rtol=1e-6)  # B = 0: policy = base = reference.
+
+
+def _readme_experiment() -> str:
+    """The experiment YAML block of this plugin's README."""
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    [block] = re.findall(r"```yaml\n(.*?)```", readme, re.S)
+    return block
+
+
+def _train(cwd, *overrides):
+    args = [a for o in [*tiny.TINY, f"input.seq_len={SEQ}", f"model.position_embedding.max_len={SEQ}", *overrides]
+            for a in ("--set", o)]
+    return subprocess.run([sys.executable, "-m", "axcore.cli", "train", "exp.yaml", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def test_the_readme_example_trains_and_one_that_would_evaluate_is_refused_before_compiling(tmp_path):
+    _preferences(tmp_path / "prefs.jsonl")
+    (tmp_path / "exp.yaml").write_text(_readme_experiment())
+    short = ["trainer.max_steps=2", "trainer.sample.num_tokens=0", "trainer.metrics_writers=[{type: jsonl}]"]
+    # Evaluating during training: one line naming the setting and its fix, before anything is compiled or written.
+    refused = _train(tmp_path, *short, "trainer.eval_every=1", "trainer.run_dir=refused")
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.stderr.strip().splitlines() == [
+        "axcore: error: 'trainer.eval_every' is 1, but the dpo objective's preference source holds out nothing (its "
+        "eval_fraction is 0, to keep the pairs), so there is nothing to evaluate on; set trainer.eval_every: 0."
+    ]
+    assert not (tmp_path / "refused").exists()
+    # The README's example as written (a tiny model, two steps) trains to its end.
+    done = _train(tmp_path, *short, "trainer.run_dir=run")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "run" / "checkpoints").is_dir() and not (tmp_path / "run" / "FAILED").exists()
+    assert "Finished step 2" in done.stderr
