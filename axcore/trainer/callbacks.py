@@ -89,6 +89,9 @@ class Sample:
     """The end-of-run sample (`trainer.sample`): `run.results["sample"]` = `Trainer._sample(params)`."""
 
     def on_run_end(self, run: RunEnd) -> None:
+        tokens = run.trainer.cfg.trainer.sample.num_tokens
+        if tokens > 0:  # Generation compiles and runs token by token: seconds.
+            print(f"Sampling {tokens} tokens from the trained model...", file=run.trainer.stream)
         run.results[SAMPLE] = run.trainer._sample(run.state["params"])
 
 

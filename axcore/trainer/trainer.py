@@ -317,6 +317,8 @@ class Trainer:
                     file=self.stream,
                 )
             # Metrics of steps after the restored one (logged before a crash) are dropped: they are redone.
+            if tcfg.metrics_writers and is_primary():  # TensorBoard's writer imports for seconds.
+                print(f"Opening the metrics writers ({len(tcfg.metrics_writers)})...", file=self.stream)
             for writer_cfg in tcfg.metrics_writers if is_primary() else []:
                 writer.writers.append(writer_cfg.instantiate().create_resumed(self.run_dir, start))
             if state is None and self.cfg.init_from is not None:  # Fine-tuning another run: its parameters.
@@ -324,6 +326,7 @@ class Trainer:
 
                 state = init_from_run(self, self.cfg.init_from, lambda line: print(line, file=self.stream))
             if state is None:
+                print("Initialising the parameters...", file=self.stream)  # Compiles and runs the init: seconds.
                 state = self.init_state()
             eval_step = self.compiled_eval_step()
             layout = self.shard_layout
@@ -393,6 +396,7 @@ class Trainer:
                 interval_start = time.perf_counter()  # Eval and saving do not count as step time.
                 watchdog.beat(step)
             watchdog.beat(activity="waiting for checkpoint writes")
+            self._say("Waiting for the checkpoint writes...")
             backend.wait()
             say_input(f"Input: process {jax.process_index()} read {read[0]} rows, {read[1]} tokens (steps {start + 1}.."
                       f"{tcfg.max_steps})")
