@@ -2,6 +2,10 @@
 is loaded for the platform of a selected instance type, registering kernels and mesh rules only."""
 
 import io
+import os
+import re
+import subprocess
+import sys
 
 import axcore
 from axcore.cli import main
@@ -76,3 +80,29 @@ def test_training_logs_the_kernel_of_each_op(tmp_path):
     log = io.StringIO()
     Trainer(exp, stream=log).run()
     assert "Kernel for attention: fast (2 sites)" in log.getvalue()
+
+
+def test_describe_kernel_choices_counts_each_site_once():
+    # A site traced twice (a train step's retrace, declaring kernel state) is still one site.
+    choices = {"dot": {"xla": ["a", "b", "a", "b"], "int8": ["c"]}}
+    assert describe_kernel_choices(choices) == {"dot": "xla (2 sites), int8 (1 site)"}
+
+
+def test_config_and_train_report_the_same_kernel_sites(tmp_path):
+    # Subprocesses, as a user runs them; the count is the model's weight matmuls, counted from its shape:
+    # per layer q, k, v, o projections and the FFN's up and down projections, plus the output head.
+    sets = [a for o in [*TINY, "trainer.max_steps=1", "trainer.eval_every=0", "trainer.sample.num_tokens=0",
+                        f"trainer.run_dir={tmp_path / 'run'}"] for a in ("--set", o)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+    def axcore(*args):
+        out = subprocess.run([sys.executable, "-m", "axcore.cli", *args, *sets], capture_output=True, text=True,
+                             timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout + out.stderr
+
+    layers = int(dict(o.split("=") for o in TINY)["model.num_layers"])
+    expected = f"xla ({layers * (4 + 2) + 1} sites)"
+    config = re.search(r"^# kernel dot: (.*)$", axcore("config", "default"), re.M).group(1)
+    train = re.search(r"^Kernel for dot: (.*)$", axcore("train"), re.M).group(1)
+    assert config == train == expected

@@ -424,13 +424,13 @@ def prepare(
         "tokenizer": fingerprint, "dtype": dtype.name, "shard_size_mb": shard_size_mb, "chat": chat,
     }))
     output = os.path.abspath(os.path.expanduser(output))
+    progress = Progress(stream, sum(u["bytes"] for u in units), len(units))
     if _claim_directory(output, run):
         if verify:
+            progress.say(f"{output} is already prepared from these inputs; verifying its files (sha256)...")
             PreparedShards(output, field="--output").verify()
         with open(os.path.join(output, INDEX_FILE), encoding="utf-8") as f:
             return json.load(f)
-
-    progress = Progress(stream, sum(u["bytes"] for u in units), len(units))
     records: dict[int, dict] = {}
     pending = []
     for i, unit in enumerate(units):
@@ -441,6 +441,10 @@ def prepare(
             records[i] = record
             progress.skipped(record, unit["bytes"])
     count = min(workers or os.cpu_count() or 1, len(pending))
+    progress.say(
+        f"{len(files)} files, {progress.total_bytes / 1e6:.1f} MB in {len(units)} shards ({len(units) - len(pending)} "
+        f"done before), tokenizer {type(built).__name__}, {max(count, 1)} worker{'s' * (count > 1)}"
+    )
     if count <= 1:
         with _one_thread_tokenizers():
             tok, template = _build(spec)
@@ -460,6 +464,7 @@ def prepare(
     extra = {"vocab_size": int(built.vocab_size), **({"chat": chat} if chat else {})}
     index = write_index(output, fingerprint, dtype, format == "chat", ordered, inputs_record, created_by, extra)
     if verify:
+        progress.say(f"verifying the {len(units)} shards and the index (sha256)...")
         PreparedShards(output, field="--output").verify()
     return index
 

@@ -1,4 +1,5 @@
-"""`axcore prepare`'s progress line: shards, documents, tokens, MB/s of input and ETA."""
+"""`axcore prepare`'s progress: the plan, a line of shards, documents, tokens, MB/s of input and ETA, and the
+verification, so no phase of seconds is silent."""
 
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ class Progress:
             f"prepare: {self.done_shards}/{self.shards} shards, {self.documents:,} documents, {self.tokens:,} tokens, "
             f"{rate / 1e6:.1f} MB/s, ETA {eta}"
         )
+
+    def say(self, text: str) -> None:
+        """One line `prepare: TEXT` (a phase starting: the plan, the verification)."""
+        if self._stream is not None:
+            self._stream.write(f"prepare: {text}\n")
+            self._stream.flush()
 
     def show(self, *, final: bool = False) -> None:
         if self._stream is None:

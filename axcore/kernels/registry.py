@@ -178,11 +178,17 @@ def format_kernel_decisions(decisions: Sequence[KernelDecision]) -> str:
 
 
 def describe_kernel_choices(choices: Mapping[str, Mapping[str, Sequence[str]]]) -> dict[str, str]:
-    """`{op: "kernel (n sites), ..."}` for `record_kernel_choices` results, kernels by descending use."""
+    """`{op: "kernel (n sites), ..."}` for `record_kernel_choices` results, kernels by descending use.
+
+    n counts distinct call sites (`Problem.site`), however often a site was traced: the
+    same model gives the same words whether one forward pass was traced (`axcore config`)
+    or a whole train step, whose backward pass and any retrace select again (`axcore train`).
+    """
     out = {}
     for op, kernels in sorted(choices.items()):
-        ranked = sorted(kernels.items(), key=lambda item: (-len(item[1]), item[0]))
-        out[op] = ", ".join(f"{name} ({len(sites)} site{'s' if len(sites) != 1 else ''})" for name, sites in ranked)
+        distinct = {name: len(set(sites)) for name, sites in kernels.items()}
+        ranked = sorted(distinct.items(), key=lambda item: (-item[1], item[0]))
+        out[op] = ", ".join(f"{name} ({n} site{'s' if n != 1 else ''})" for name, n in ranked)
     return out
 
 

@@ -5,8 +5,8 @@ writes it, `plot_loss_curve` does both; the trainer calls it at the end of a run
 `<run_dir>/loss.png`. The y axis is the loss in nats per token, naming what one token
 is (`Tokenizer.token_unit`: a UTF-8 byte for the built-in `bytes` tokenizer); the
 title names the run (and its experiment). A training curve is one batch's loss per
-logged step, so it is noisy: it is drawn faint, under its exponential moving average
-(`ema`); evaluation losses are drawn as markers joined by a line.
+logged step, so it is noisy: it is drawn faint, under its bias-corrected exponential
+moving average (`ema`); evaluation losses are drawn as markers joined by a line.
 """
 
 from __future__ import annotations
@@ -41,21 +41,28 @@ def _is_eval(key: str) -> bool:
 
 
 def ema(values: Sequence[float], smoothing: float) -> list[float]:
-    """Exponential moving average: `s_0 = x_0`, `s_i = smoothing * s_(i-1) + (1 - smoothing) * x_i`.
+    """Bias-corrected exponential moving average, as TensorBoard's smoothing and Adam's moments.
 
-    One value per record (logged steps, whatever their spacing). A NaN value (a
-    diverged step) gives NaN at its position and leaves the average where it was.
-    `smoothing` in [0, 1): 0 returns the values unchanged.
+    `m_0 = 0`, `m_t = smoothing * m_(t-1) + (1 - smoothing) * x_t`, shown as
+    `m_t / (1 - smoothing**t)`: a weighted mean of the values so far, whose weights sum
+    to 1 from the first value on. Without the correction (an average started at `x_0`)
+    the first logged loss, the highest of a run, keeps weight `smoothing**t` and holds the
+    curve far above the raw losses for the whole run.
+
+    One value per record (logged steps, whatever their spacing). A NaN value (a diverged
+    step) gives NaN at its position and is skipped: it neither moves the average nor
+    counts in `t`. `smoothing` in [0, 1): 0 returns the values unchanged.
     """
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
-    out, average = [], None
+    out, average, t = [], 0.0, 0
     for value in values:
         if math.isnan(value):
             out.append(math.nan)
             continue
-        average = value if average is None else smoothing * average + (1.0 - smoothing) * value
-        out.append(average)
+        t += 1
+        average = smoothing * average + (1.0 - smoothing) * value
+        out.append(average / (1.0 - smoothing**t))
     return out
 
 

@@ -19,18 +19,27 @@ The defaults, `default_callbacks()`: `LossPlot` (`<run_dir>/loss.png` from the r
 `trainer.sample`, printed to the loop's `out`; its text is `TrainResult.sample`).
 A callback hands a result back through `run.results[name]`; `"sample"` is the one the
 loop returns.
+
+A callback may also have `on_run_stopped(run: RunEnd, error: BaseException) -> None`,
+called (through `run_stopped`) instead when the loop ends early: Ctrl-C (`error` a
+`KeyboardInterrupt`) or a failure in the loop, after the metrics writers are closed and
+before the run directory is marked. `run.state` is then the state of the last
+dispatched step, or None before there was one; it may be unusable (donated). `LossPlot`
+writes the plot of the steps logged so far; the sample is not drawn.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
 import numpy as np
 
+from axcore.errors import one_line
 from axcore.generation import Generator, Sampling
-from axcore.observe import plot_loss_curve
+from axcore.observe import MetricsError, plot_loss_curve
 from axcore.observe.factories import JsonlWriterFactory
 from axcore.platform.distributed import is_primary
 
@@ -57,7 +66,8 @@ class Callback(Protocol):
 
 
 class LossPlot:
-    """Writes `<run_dir>/loss.png` from the run's `metrics.jsonl` (process 0; nothing without the file)."""
+    """Writes `<run_dir>/loss.png` from the run's `metrics.jsonl` (process 0; nothing without the file),
+    at the end of a run and when it stops early (the steps logged so far; nothing if none was)."""
 
     def on_run_end(self, run: RunEnd) -> None:
         trainer = run.trainer
@@ -68,12 +78,37 @@ class LossPlot:
                 token_unit=trainer.tokenizer.token_unit,
             )
 
+    def on_run_stopped(self, run: RunEnd, error: BaseException) -> None:
+        try:
+            self.on_run_end(run)
+        except MetricsError:  # Stopped before the first logged step: no curve to draw.
+            pass
+
 
 class Sample:
     """The end-of-run sample (`trainer.sample`): `run.results["sample"]` = `Trainer._sample(params)`."""
 
     def on_run_end(self, run: RunEnd) -> None:
+        tokens = run.trainer.cfg.trainer.sample.num_tokens
+        if tokens > 0:  # Generation compiles and runs token by token: seconds.
+            print(f"Sampling {tokens} tokens from the trained model...", file=run.trainer.stream)
         run.results[SAMPLE] = run.trainer._sample(run.state["params"])
+
+
+def run_stopped(run: RunEnd, error: BaseException, callbacks: Sequence[Any], say: Callable[[str], None]) -> None:
+    """Calls `on_run_stopped(run, error)` of each of `callbacks` that has one (module docstring).
+
+    The loop is already failing with `error`: a callback that fails too is reported
+    through `say` in one line and the others still run, so `error` stays the one raised.
+    """
+    for callback in callbacks:
+        hook = getattr(callback, "on_run_stopped", None)
+        if hook is None:
+            continue
+        try:
+            hook(run, error)
+        except Exception as e:  # Never hides the error that stopped the run.
+            say(f"{type(callback).__name__} after the run stopped failed: {one_line(e) or type(e).__name__}")
 
 
 def default_callbacks() -> list[Callback]:
@@ -118,4 +153,4 @@ def sample_text(step: Any, params: Any, scfg: Any, out: Any, seed: int) -> str:
     return text
 
 
-__all__ = ["SAMPLE", "Callback", "LossPlot", "RunEnd", "Sample", "default_callbacks", "sample_text"]
+__all__ = ["SAMPLE", "Callback", "LossPlot", "RunEnd", "Sample", "default_callbacks", "run_stopped", "sample_text"]

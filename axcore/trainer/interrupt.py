@@ -1,8 +1,10 @@
 """Ctrl-C during training: save the last completed step, mark the run INTERRUPTED, say how to resume.
 
 In a single-process run, the training loop holds an `InterruptGuard`: the first
-SIGINT (Ctrl-C) only sets `requested`; the loop finishes the step it is on, fetches
-and checks it like any logged step (a diverged step still stops the run as diverged,
+SIGINT (Ctrl-C) only sets `requested`, which the loop reads as it dispatches each
+step. The loop stays one step ahead of the device (axcore/trainer/trainer.py), so it
+finishes the step the device runs and at most the one queued behind it, fetches
+and checks the last like any logged step (a diverged step still stops the run as diverged,
 unsaved), saves it, waits for the save's commit marker, and raises `RunInterrupted`.
 The Trainer then leaves `<run_dir>/INTERRUPTED` (not FAILED; the next run there
 removes it) and `axcore train` prints one line, e.g.

@@ -274,8 +274,10 @@ class TrainStep:
         """
         train_step = train_step if train_step is not None else self.compiled_train_step()
         started = time.perf_counter()
+        # Outside the recording: declaring the state's kernel state selects each dot site's kernel too.
+        state, batch = self.abstract_state(), self.abstract_batch()
         with record_kernel_choices() as choices:
-            compiled = train_step.lower(self.abstract_state(), self.abstract_batch()).compile()
+            compiled = train_step.lower(state, batch).compile()
         seconds = time.perf_counter() - started
         if self.cfg.trainer.check_memory if check_memory is None else check_memory:
             check_compiled_memory(compiled, self.mesh)

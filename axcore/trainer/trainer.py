@@ -18,8 +18,16 @@ checks the loss and gradient norm of every step since the previous fetch: a
 non-finite one stops the run with NonFiniteLossError naming that step, before any
 checkpoint of a later state is saved.
 
+The host stays at most one step ahead of the device: after dispatching step s it
+waits (reading nothing back) until step s-1 has finished, so the device always has
+the next step queued and never idles for the host, while a Ctrl-C (a flag set by the
+signal handler, `axcore.trainer.interrupt.InterruptGuard`, which the loop reads as it
+dispatches each step) stops the run at the step after the one the device was running
+when the key came, not at the next fetch (up to `log_every` steps already dispatched).
+
 After the last step the loop calls its callbacks (`axcore.trainer.callbacks`: by
-default the loss plot and the end-of-run sample).
+default the loss plot and the end-of-run sample); when the loop stops early (Ctrl-C,
+an error), their `on_run_stopped` (the loss plot of the steps logged so far).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from axcore.errors import AxcoreError, one_line
 from axcore.layers.pipeline import pipeline_plans
 from axcore.observe import MultiWriter, ProgressLog
 from axcore.platform.distributed import is_primary
-from axcore.trainer.callbacks import SAMPLE, Callback, RunEnd, default_callbacks, sample_text
+from axcore.trainer.callbacks import SAMPLE, Callback, RunEnd, default_callbacks, run_stopped, sample_text
 from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.evaluate import EvalProgress, EvalTotals, check_evaluable, describe, eval_metrics, evaluate_input
 from axcore.trainer.inputs import DataWaitMeter, gather_input_state, input_pipeline, restore_input_state
@@ -297,7 +305,7 @@ class Trainer:
     def _train(self, backend, train_step, train_pipeline) -> TrainResult:
         tcfg = self.cfg.trainer
         writer = MultiWriter([])
-        progress = loader = None
+        progress = loader = stopped = None
         from axcore.trainer.watchdog import Watchdog  # Hang detection: armed by the first beat (step compiled).
 
         watchdog = Watchdog.for_run(tcfg.watchdog, self.run_dir, jax.process_index(), jax.process_count())
@@ -321,6 +329,8 @@ class Trainer:
                     file=self.stream,
                 )
             # Metrics of steps after the restored one (logged before a crash) are dropped: they are redone.
+            if tcfg.metrics_writers and is_primary():  # TensorBoard's writer imports for seconds.
+                print(f"Opening the metrics writers ({len(tcfg.metrics_writers)})...", file=self.stream)
             for writer_cfg in tcfg.metrics_writers if is_primary() else []:
                 writer.writers.append(writer_cfg.instantiate().create_resumed(self.run_dir, start))
             if state is None and self.cfg.init_from is not None:  # Fine-tuning another run: its parameters.
@@ -328,6 +338,7 @@ class Trainer:
 
                 state = init_from_run(self, self.cfg.init_from, lambda line: print(line, file=self.stream))
             if state is None:
+                print("Initialising the parameters...", file=self.stream)  # Compiles and runs the init: seconds.
                 state = self.init_state()
             eval_step = self.compiled_eval_step()
             layout = self.shard_layout
@@ -357,6 +368,8 @@ class Trainer:
                 state, metrics = train_step(state, loaded.batch)
                 watchdog.beat(step)
                 unchecked.append((step, (metrics["loss"], metrics["grad_norm"])))
+                if len(unchecked) > 1:  # One step ahead at most (module docstring); step s is queued meanwhile.
+                    unchecked[-2][1][0].block_until_ready()
                 last = step == tcfg.max_steps
                 stop = self._interrupt.requested  # Ctrl-C: this step is fetched, checked and saved, then the run stops.
                 evaluate = bool(tcfg.eval_every) and (step % tcfg.eval_every == 0 or last)
@@ -395,9 +408,13 @@ class Trainer:
                 interval_start = time.perf_counter()  # Eval and saving do not count as step time.
                 watchdog.beat(step)
             watchdog.beat(activity="waiting for checkpoint writes")
+            self._say("Waiting for the checkpoint writes...")
             backend.wait()
             say_input(f"Input: process {jax.process_index()} read {read[0]} rows, {read[1]} tokens (steps {start + 1}.."
                       f"{tcfg.max_steps})")
+        except BaseException as error:
+            stopped = error
+            raise
         finally:
             self._interrupt.uninstall()
             watchdog.stop()  # Nothing fires after training.
@@ -407,6 +424,8 @@ class Trainer:
                 progress.close()
             writer.close()
             backend.close()
+            if stopped is not None:  # Metrics are flushed: e.g. the loss plot of the steps logged so far.
+                run_stopped(RunEnd(self, state), stopped, self.callbacks, lambda line: print(line, file=self.stream))
         run = RunEnd(self, state)
         for callback in self.callbacks:
             callback.on_run_end(run)

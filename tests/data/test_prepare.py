@@ -257,6 +257,28 @@ def test_progress_lines(tmp_path, corpus):
     assert "MB/s" in last and "ETA" in last
 
 
+def test_the_command_says_its_plan_and_its_verification(tmp_path, corpus):
+    # A subprocess, as a user runs it: the plan comes first, and the sha256 pass (seconds on a large
+    # dataset) is announced before it starts, both on stderr; stdout keeps the one summary line.
+    root, _ = corpus
+    argv = [sys.executable, "-m", "axcore.cli", "prepare", str(root), "-o", str(tmp_path / "out"), "--workers", "1",
+            "--shard-size-mb", str(SMALL), "--verify"]
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    err = first.stderr.splitlines()
+    shards = len(PreparedShards(str(tmp_path / "out")).index["shards"])
+    megabytes = sum(p.stat().st_size for p in files) / 1e6
+    assert err[0] == (f"prepare: {len(files)} files, {megabytes:.1f} MB in {shards} shards (0 done before), "
+                      f"tokenizer ByteTokenizer, 1 worker")
+    assert err[-1] == f"prepare: verifying the {shards} shards and the index (sha256)..."
+    assert len(first.stdout.splitlines()) == 1 and "verified" in first.stdout
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=300)  # Already prepared: verified only.
+    assert again.returncode == 0, again.stderr
+    assert again.stderr.splitlines() == [
+        f"prepare: {tmp_path / 'out'} is already prepared from these inputs; verifying its files (sha256)..."]
+
+
 def _error(capsys, argv) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()  # Progress lines, then the error.

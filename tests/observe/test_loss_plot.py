@@ -7,7 +7,7 @@ import pytest
 
 from axcore.data.tokenizer import ByteTokenizer
 from axcore.observe import JsonlWriter, MetricsError, plot_loss_curve
-from axcore.observe.plot import loss_figure, save_figure
+from axcore.observe.plot import ema, loss_figure, save_figure
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # matplotlib's first two default line colours ("C0", "C1"), as RGB in [0, 1].
@@ -63,17 +63,29 @@ def test_plot_with_no_requested_key_is_an_error(tmp_path):
 
 
 def _numpy_ema(values, smoothing):
-    """The moving average by its recurrence, written independently of axcore's loop: NaNs skipped."""
+    """The bias-corrected moving average in closed form, written independently of axcore's loop: NaNs skipped.
+
+    m_t = a m_(t-1) + (1 - a) x_t from m_0 = 0 is m_t = (1 - a) sum_{1<=j<=t} a^(t-j) x_j; shown m_t / (1 - a^t).
+    """
     values = np.asarray(values, float)
     out = np.full_like(values, np.nan)
     finite = np.flatnonzero(np.isfinite(values))
     x = values[finite]
-    # Closed form of s_0 = x_0, s_k = a s_(k-1) + (1 - a) x_k:  s_k = a^k x_0 + (1 - a) sum_{1<=j<=k} a^(k-j) x_j.
-    k = np.arange(len(x))
-    weights = (1 - smoothing) * smoothing ** (k[:, None] - k[None, :]) * (k[:, None] >= k[None, :])
-    weights[:, 0] = smoothing ** k  # x_0 starts the average with weight 1, decayed since.
-    out[finite] = weights @ x
+    t = np.arange(1, len(x) + 1)
+    weights = (1 - smoothing) * smoothing ** (t[:, None] - t[None, :]) * (t[:, None] >= t[None, :])
+    out[finite] = weights @ x / (1 - smoothing**t)
     return out
+
+
+def test_the_moving_average_is_bias_corrected():
+    # By hand: m_1 = 0.5, shown 0.5 / 0.5 = 1; m_2 = 0.25 + 1 = 1.25, shown 1.25 / 0.75.
+    np.testing.assert_allclose(ema([1.0, 2.0], 0.5), [1.0, 1.25 / 0.75], rtol=1e-15)
+    # A loss that falls at once and plateaus: the average reaches the plateau, not the first value's shadow.
+    values = [5.0, *[2.5] * 9, math.nan, 2.5]
+    got = ema(values, 0.9)
+    np.testing.assert_allclose(got, _numpy_ema(values, 0.9), rtol=1e-12, equal_nan=True)
+    assert abs(got[9] - 2.5) < 0.2 and math.isnan(got[10])  # Uncorrected (started at 5.0): 3.47.
+    assert ema(values, 0.0) == pytest.approx(values, nan_ok=True)
 
 
 def test_the_figure_names_its_units_and_run_and_draws_the_moving_average_over_the_raw_curve(tmp_path):

@@ -1,10 +1,14 @@
 """The loop's end-of-run callbacks: the defaults (loss plot, sample) are replaceable, a user's one sees the final state."""
 
+import io
+
 import jax
 import numpy as np
+import pytest
 
 from axcore.experiment import load_experiment
 from axcore.trainer.callbacks import LossPlot, Sample
+from axcore.trainer.run_dir import FAILED_FILE
 from axcore.trainer.trainer import Trainer
 
 import tiny
@@ -47,3 +51,42 @@ def test_the_default_callbacks_plot_then_sample_and_an_appended_one_runs_last(tm
     [(_, _, results)] = recorder.runs
     assert results["sample"] == result.sample and result.sample.startswith("The ")
     assert f"Sample:\n{result.sample}" in capsys.readouterr().out
+
+
+class Stopped(Recorder):
+    def on_run_stopped(self, run, error):
+        self.runs.append((run.trainer, error))
+
+
+class Broken:
+    def on_run_stopped(self, run, error):
+        raise OSError("disk full")
+
+
+def test_a_failed_run_keeps_a_loss_plot_of_the_steps_logged_before_it(tmp_path):
+    # Steps 1 and 2 are logged and saved; the third step's call fails (as a device error would).
+    exp = load_experiment(None, [*RUN, "trainer.max_steps=5", "trainer.log_every=1",
+                                 "trainer.checkpoint.every_n_steps=1", f"trainer.run_dir={tmp_path}"])
+    stopped = Stopped()
+    trainer = Trainer(exp, callbacks=[LossPlot(), Broken(), stopped, Sample()])
+    compiled = trainer.compiled_train_step
+
+    def failing_train_step():
+        step, calls = compiled(), [0]
+
+        def call(state, batch):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("the device went away")
+            return step(state, batch)
+        call.lower = step.lower
+        return call
+    trainer.compiled_train_step = failing_train_step
+    trainer.stream = log = io.StringIO()
+    with pytest.raises(RuntimeError, match="the device went away") as raised:
+        trainer.run()
+    [(seen, got)] = stopped.runs
+    assert seen is trainer and got is raised.value  # The error the run raised, after a broken callback.
+    assert "Broken after the run stopped failed: disk full" in log.getvalue()
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / FAILED_FILE).exists()

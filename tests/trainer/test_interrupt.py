@@ -50,6 +50,43 @@ class Slow:
 sys.exit(main(sys.argv[1:], objects={"slow": Slow()}))
 """
 
+# A driver that runs `axcore train` and prints "device finished step N" as each step completes on the
+# device: a thread of its own waits for each step's loss, so the loop's dispatch stays as it is (a host
+# callback inside the step would make XLA:CPU run it synchronously).
+MARKED_DRIVER = """
+import queue, signal, sys, threading
+signal.signal(signal.SIGINT, signal.default_int_handler)  # As in a terminal (see AXCORE).
+from axcore.cli import main
+from axcore.trainer.trainer import Trainer
+
+compile_train_step = Trainer._compile_train_step
+
+def marked_compile(self):
+    step, dispatched, count = compile_train_step(self), queue.Queue(), [0]
+
+    def watch():
+        while True:
+            n, loss = dispatched.get()
+            loss.block_until_ready()
+            print(f"device finished step {n}", file=sys.stderr, flush=True)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+    def marked(state, batch):
+        state, metrics = step(state, batch)
+        count[0] += 1
+        dispatched.put((count[0], metrics["loss"]))
+        return state, metrics
+    return marked
+
+Trainer._compile_train_step = marked_compile
+sys.exit(main(sys.argv[1:]))
+"""
+# A model whose step takes long on a CPU beside the test's reaction to a line, and compiles in seconds.
+SLOW_STEP = ["model.dim=256", "model.num_layers=2", "model.position_embedding.max_len=128",
+             "model.decoder.layer.self_attention.num_heads=4", "model.decoder.layer.feed_forward.hidden_dim=1024",
+             "input.batch_size=8", "input.seq_len=128"]
+
 
 # `axcore train ARGS`, with Python's own SIGINT handler as in a terminal (a test run started as a
 # background shell job passes SIGINT on as ignored, and Python then leaves it ignored).
@@ -165,3 +202,29 @@ def test_a_second_ctrl_c_stops_at_once_and_keeps_the_committed_checkpoints(tmp_p
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Resumed from step {latest} in run" in resumed.stderr  # The committed checkpoint verifies.
     assert f"Finished step {latest + 50}; run directory: run" in resumed.stderr
+
+
+def test_ctrl_c_lands_within_one_step_of_the_key(tmp_path):
+    # Metrics are fetched every 10 steps only: the loop must not run ahead to the next fetch before it
+    # sees the key (it did: the key after step 3 stopped the run at step 11).
+    driver = tmp_path / "driver.py"
+    driver.write_text(MARKED_DRIVER)
+    overrides = [*SLOW_STEP, "trainer.log_every=10", "trainer.eval_every=0", "trainer.sample.num_tokens=0",
+                 "trainer.run_dir=run", "trainer.max_steps=1000", "trainer.checkpoint.every_n_steps=1000000"]
+    proc = _start([sys.executable, str(driver), "train", *_sets(overrides)], tmp_path)
+    done = 3
+    lines = _wait_for(proc, rf"device finished step {done}$")
+    proc.send_signal(signal.SIGINT)  # While the device runs step done + 1.
+    err = _finish(proc, lines)
+    assert proc.returncode == 130, err[-3000:]
+    match = re.search(r"^Interrupted at step (\d+); saved\.", err, re.M)
+    assert match, err[-3000:]
+    stopped = int(match.group(1))
+    # The step the device ran finishes, and at most the one queued behind it: nothing later is dispatched.
+    assert done + 1 <= stopped <= done + 2, err[-3000:]
+    assert max(int(n) for n in re.findall(r"^device finished step (\d+)$", err, re.M)) == stopped
+    backend = OrbaxBackend(tmp_path / "run" / "checkpoints")
+    assert backend.all_steps() == [stopped]
+    backend.close()
+    # The interrupted run has its loss plot (of the step fetched at the stop).
+    assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

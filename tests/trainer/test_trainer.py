@@ -68,6 +68,12 @@ def test_training_writes_every_artifact_and_loss_falls(tmp_path, capsys):
     assert result.sample.startswith("The ") and len(result.sample.encode()) >= 4 + 8 - 3
     captured = capsys.readouterr()
     assert "Sample:" in captured.out
+    # Each phase of seconds says what it does before it starts (no silence after the compile line), in order.
+    phases = ["Compiled the train step", "Opening the metrics writers (2)...", "Initialising the parameters...",
+              "Input: process 0 reads", "step 2/30", "Waiting for the checkpoint writes...", "Input: process 0 read ",
+              "Sampling 8 tokens from the trained model..."]
+    positions = [captured.err.find(phase) for phase in phases]
+    assert -1 not in positions and positions == sorted(positions), captured.err
     # The eval loss is on the console with the tokens it covers (2 batches of 4 x 32, padding excluded).
     for step, loss in evals:
         tokens = next(r["eval/tokens"] for r in records if r["step"] == step)
