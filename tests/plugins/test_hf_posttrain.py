@@ -105,6 +105,50 @@ def test_the_import_carries_the_chat_template_and_sft_renders_with_it(imported):
     assert template.render(messages) == reference.apply_chat_template(messages, tokenize=False)
 
 
+def test_generate_chat_on_the_import_uses_its_template(imported, capsys):
+    _, hf, base, _ = imported
+    assert main(["generate", str(base), "--chat", "Hi", "--max-new-tokens", "2", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out.splitlines()[0])
+    reference = transformers.AutoTokenizer.from_pretrained(str(hf))
+    messages = [{"role": "user", "content": "Hi"}]
+    assert record["prompt"] == reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def test_a_template_other_than_the_tokenizers_is_warned_about(imported, tmp_path, capsys):
+    from axcore.data.chat import DEFAULT_TEMPLATE
+
+    _, hf, base, chats = imported
+    common = [f"init_from={base}", f"input.source.paths=[{chats}]"]
+
+    def warnings(*overrides):
+        experiment = load_experiment("sft", [*common, *overrides])
+        experiment.config.input.check(experiment.config.tokenizer.instantiate())
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith("Warning:")]
+
+    assert warnings() == []  # The tokenizer's own template: nothing to say.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_bytes((hf / "tokenizer.json").read_bytes())  # The tokenizer without a template.
+    (line,) = warnings(f"tokenizer.path={bare / 'tokenizer.json'}")
+    assert "input.source.template: the tokenizer (HFTokenizer) has no chat template" in line
+    assert "axcore's built-in default" in line
+    other = tmp_path / "other.jinja"
+    other.write_text(DEFAULT_TEMPLATE)
+    (line,) = warnings(f"input.source.template={other}")
+    assert f"rendered with '{other}', not the chat template of the tokenizer" in line
+    assert (base / "hf" / "chat_template.jinja").read_text() == CHATML  # Untouched.
+
+
+def test_generate_chat_without_a_template_is_refused_before_loading(tmp_path):
+    """A run whose tokenizer (bytes) has no template and that did not train on chat data: refused from its saved
+    config alone (this run has no checkpoints/, so a refusal after the restore would name that instead)."""
+    import tiny
+
+    load_experiment("default", tiny.TINY).save(tmp_path / "run")
+    status, _, err = _axcore("generate", tmp_path / "run", "--chat", "Hi")
+    assert status == 2 and len(err) == 1 and "has no chat template" in err[0], err
+
+
 def test_lora_sft_merged_and_exported_equals_the_peft_adapted_original(imported):
     """docs/sft.md's LoRA SFT, merged and exported: transformers loads the original config values and tokenizer,
     and gives the logits of peft's model (the original plus the run's exported adapters) within 1e-4."""
