@@ -77,22 +77,6 @@ def find_converter(model_type: Any, where: str) -> ModelConverter:
     return entry.value
 
 
-def _fresh_dir(out: pathlib.Path) -> pathlib.Path:
-    """A new temporary directory beside `out` (same filesystem, so it can be renamed into place)."""
-    if out.exists():
-        raise ConversionError(f"{out} already exists; choose a new output directory or remove it.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-
-
-def _publish(tmp: pathlib.Path, out: pathlib.Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; OUT gets the usual permissions.
-    files.fsync_tree(tmp)
-    os.rename(tmp, out)  # Atomic: OUT appears complete or not at all.
-
-
 def _experiment_name(hf_dir: pathlib.Path) -> str:
     name = "".join(c if c.isalnum() or c in "._-" else "-" for c in hf_dir.resolve().name).strip("._-")
     return f"hf-{name}"[:100]
@@ -141,7 +125,7 @@ def hf_to_axcore(
     tensors = files.read_tensors(hf_dir)  # Before anything is written: a bad file leaves nothing behind.
     if not allow_nonfinite:
         _check_finite(tensors, hf_dir)
-    tmp = _fresh_dir(out)
+    tmp = files.fresh_dir(out)
     try:
         (tmp / KEPT_DIR).mkdir()
         files.write_config(tmp / KEPT_DIR, {**config, "axcore_source_dtype": _stored_dtype(config, tensors)})
@@ -161,7 +145,7 @@ def hf_to_axcore(
         if tokenizer is not None:
             experiment.config.tokenizer.path = tokenizer["path"]
             experiment.save(tmp)
-        _publish(tmp, out)
+        files.publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -257,14 +241,14 @@ def axcore_to_hf(
     params = jax.tree.map(np.asarray, jax.device_get(loaded.params))
     tensors = {name: t.astype(np_dtype) for name, t in converter.params_to_outside(params, config).items()}
     limit = files.parse_size(max_shard_size) if max_shard_size else None
-    tmp = _fresh_dir(out)
+    tmp = files.fresh_dir(out)
     try:
         files.write_config(tmp, config)
         written = files.write_tensors(tmp, tensors, limit)
         for name in KEPT_FILES if kept is not None else ():
             if (kept / name).is_file():
                 shutil.copyfile(kept / name, tmp / name)
-        _publish(tmp, out)
+        files.publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

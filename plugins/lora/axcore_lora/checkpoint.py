@@ -153,24 +153,17 @@ def publish_run(out: str | os.PathLike, write: Any) -> pathlib.Path:
     """Calls `write(tmp)` on a new temporary directory beside `out`, then renames it to `out` (never half-written).
 
     Raises:
-        LoraConfigError: `out` exists.
+        ConversionError: `out` exists.
     """
     import shutil
-    import tempfile
+
+    from axcore_hf import files
 
     out = pathlib.Path(out).absolute()
-    if out.exists():
-        from axcore_lora.kernel import LoraConfigError
-
-        raise LoraConfigError(f"{out} already exists; choose a new run directory or remove it.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp = files.fresh_dir(out)
     try:
         write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; OUT gets the usual permissions.
-        os.rename(tmp, out)
+        files.publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
