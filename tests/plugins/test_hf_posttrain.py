@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -208,3 +209,20 @@ def test_non_finite_weights_are_refused_naming_the_tensor(imported, tmp_path):
     assert "--allow-nonfinite" in err[0] and not (tmp_path / "run").exists()
     hf_to_axcore(broken, tmp_path / "allowed", allow_nonfinite=True)  # Asked for: imported as it is.
     assert (tmp_path / "allowed" / "checkpoints").is_dir()
+
+
+def test_merging_an_adapter_only_run_gives_a_plain_run_with_the_imports_metadata(imported, tmp_path):
+    """`lora init --adapters-only` (the checkpoint backend wrapped by lora_adapters): the merged run uses the plain
+    backend again, holds the base's weights (B = 0: w + a @ 0 = w exactly) and exports the original config.json."""
+    from axcore.inference.run_loading import load_model
+
+    _, hf, base, _ = imported
+    lora, merged = tmp_path / "lora", tmp_path / "merged"
+    assert main(["lora", "init", str(base), str(lora), "--rank", "2", "--adapters-only"]) == 0
+    assert main(["lora", "merge", str(lora), str(merged)]) == 0
+    plain = load_model(merged)
+    assert plain.experiment.config.trainer.checkpoint.backend == "orbax" and "lora" not in plain.experiment.settings
+    reference = load_model(base).params
+    for a, b in zip(*(jax.tree.leaves(p) for p in (plain.params, reference)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert (merged / "hf" / "chat_template.jinja").read_text() == CHATML
