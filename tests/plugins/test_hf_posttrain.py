@@ -226,3 +226,21 @@ def test_merging_an_adapter_only_run_gives_a_plain_run_with_the_imports_metadata
     for a, b in zip(*(jax.tree.leaves(p) for p in (plain.params, reference)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert (merged / "hf" / "chat_template.jinja").read_text() == CHATML
+
+
+def test_the_kept_metadata_is_found_through_init_from(tmp_path, monkeypatch):
+    """A run trained with `init_from` (which copies nothing) leads back to the import's hf/: by an absolute path,
+    a path relative to where training ran, or to the run's parent; a run made from nothing has none."""
+    import yaml
+
+    from axcore_hf.kept import kept_dir
+
+    (tmp_path / "base" / "hf").mkdir(parents=True)
+    (tmp_path / "base" / "hf" / "config.json").write_text("{}")
+    for run, data in [("sft", {"init_from": str(tmp_path / "base")}), ("again", {"init_from": "sft"}),
+                      ("lonely", {"name": "x"}), ("loop", {"init_from": "loop"})]:
+        (tmp_path / run).mkdir()
+        (tmp_path / run / "config.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir(tmp_path.parent)  # "sft" is relative to the run's parent only.
+    assert kept_dir(tmp_path / "again") == kept_dir(tmp_path / "sft") == (tmp_path / "base" / "hf").resolve()
+    assert kept_dir(tmp_path / "lonely") is None and kept_dir(tmp_path / "loop") is None

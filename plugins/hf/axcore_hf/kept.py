@@ -21,6 +21,9 @@ from typing import Any
 
 import yaml
 
+from axcore.errors import AxcoreError
+from axcore.inference.run_loading import locate_run
+
 # A run's directory of kept Hugging Face files, and the files kept (besides config.json).
 KEPT_DIR = "hf"
 KEPT_FILES = (
@@ -61,8 +64,13 @@ def _candidates(run_dir: pathlib.Path, saved: dict[str, Any]) -> list[pathlib.Pa
 def kept_dir(run_dir: str | os.PathLike) -> pathlib.Path | None:
     """The kept `hf/` directory of run `run_dir` or of the run it was made from (module docstring); None if none.
 
-    Only a directory holding a `config.json` counts.
+    `run_dir` may also be its `checkpoints/` or a step directory. Only a directory holding a
+    `config.json` counts.
     """
+    try:
+        run_dir = locate_run(run_dir).run_dir
+    except AxcoreError:
+        pass  # Followed as it is (a missing run has nothing kept).
     todo, seen = [pathlib.Path(run_dir)], set()
     tokenizer_dirs: list[pathlib.Path] = []
     while todo and len(seen) < MAX_HOPS:
