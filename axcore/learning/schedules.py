@@ -39,6 +39,13 @@ class Schedule(Configurable):
         # Step at which the schedule ends (decay complete); None = the trainer's max_steps.
         total_steps: Annotated[int, Positive] | None = None
 
+        def check_fields(self) -> list[tuple[str, str]]:
+            """Both warmups set: a problem at validation time (`axcore config`), before anything trains."""
+            if self.warmup_fraction is not None and self.warmup_steps:
+                return [("warmup_fraction", f"is set ({self.warmup_fraction}) beside warmup_steps ({self.warmup_steps}); "
+                                            f"set one of them (the other to 0 or null)")]
+            return []
+
     def warmup(self, total_steps: int) -> int:
         """The steps of warmup in a schedule of `total_steps` (the config's `total_steps` if set).
 

@@ -40,3 +40,11 @@ def test_warmup_fraction_of_a_fixed_length_and_both_settings_refused():
     assert float(schedule(warmup_fraction=0.001)(1)) == pytest.approx(1.0)  # Above 0: at least one step.
     with pytest.raises(ConfigError, match=r"sets both warmup_steps \(30\) and warmup_fraction \(0.1\)"):
         schedule(warmup_steps=30, warmup_fraction=0.1)
+
+
+def test_both_warmups_are_refused_when_the_experiment_loads():
+    """`--set ...warmup_steps=5` on the recipe (which sets the fraction): refused by `axcore config`, not in training."""
+    with pytest.raises(ConfigError, match=r"'trainer.learner.schedule.warmup_fraction' is set \(0.03\) beside "
+                                          r"warmup_steps \(5\); set one of them"):
+        load_experiment("sft", ["trainer.learner.schedule.warmup_steps=5"])
+    load_experiment("sft", ["trainer.learner.schedule.warmup_steps=5", "trainer.learner.schedule.warmup_fraction=null"])
