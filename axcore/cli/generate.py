@@ -142,6 +142,12 @@ def run(args: argparse.Namespace) -> int:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as e:
         raise GenerateError(f"Bad sampling setting: {e}") from None
+    template = None
+    if conversations:  # The chat template (or its refusal) from the saved config, before the slow restore.
+        from axcore.inference.run_loading import load_run_experiment
+
+        experiment, _ = load_run_experiment(args.run, args.overrides, objects=args.objects)
+        template = _chat_template(args, experiment, experiment.config.tokenizer.instantiate())
     loaded, step = load_model_and_step(args.run, step=args.step, overrides=args.overrides, objects=args.objects)
     tokenizer = step.tokenizer
     vocab = loaded.experiment.config.model.vocab_size
@@ -156,7 +162,6 @@ def run(args: argparse.Namespace) -> int:
     if conversations:
         from axcore.data.chat import end_of_turn, render_prompt
 
-        template = _chat_template(args, loaded.experiment, tokenizer)
         rendered = [render_prompt(messages, tokenizer, template, where=where) for where, messages in conversations]
         prompts = [text for text, _ in rendered]
         encoded = [ids for _, ids in rendered]

@@ -57,8 +57,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from packaging.version import Version
 
 from axcore.data.errors import DataError
-from axcore.data.tokenizer import Tokenizer
-from axcore.errors import ConfigError, one_line
+from axcore.data.tokenizer import ByteTokenizer, Tokenizer
+from axcore.errors import AxcoreError, ConfigError, one_line
 
 # Oldest jinja2 trusted with templates from model repositories (older ones have sandbox escapes; transformers agrees).
 MIN_JINJA2 = "3.1.6"
@@ -193,6 +193,32 @@ class ChatTemplate:
         if source is not None:
             return cls(source, name=f"of the tokenizer ({type(tokenizer).__name__})")
         return cls(DEFAULT_TEMPLATE, name="(axcore's built-in default)")
+
+    @staticmethod
+    def other_than_tokenizers(tokenizer: Tokenizer, override_path: str | os.PathLike | None, *, field: str) -> str | None:
+        """A warning when `for_tokenizer(tokenizer, override_path)` is not the tokenizer's own template, else None.
+
+        Two cases: an explicit file whose text differs from the template the tokenizer has, and a
+        tokenizer that has none, so the built-in default would be used (never said of the bytes
+        tokenizer, which cannot have one and whose chats the default is written for). `field` is the
+        config path of the explicit file. Unreadable files and templates give None (using them fails).
+        """
+        try:
+            own = tokenizer.chat_template
+            explicit = None if override_path is None else ChatTemplate.from_file(override_path, field=field).source
+        except AxcoreError:
+            return None
+        kind = type(tokenizer).__name__
+        if explicit is not None:
+            if own is None or explicit == own:
+                return None
+            return (f"{field}: the chats are rendered with '{override_path}', not the chat template of the tokenizer "
+                    f"({kind}); the model learns that format. Unset {field} to train on the tokenizer's own.")
+        if own is not None or isinstance(tokenizer, ByteTokenizer):
+            return None
+        return (f"{field}: the tokenizer ({kind}) has no chat template, so the chats are rendered with axcore's built-in "
+                f"default (<|role|> ... <|end|>), a format the model has not seen; set {field} to the model's template "
+                f"file (chat_template.jinja) if it has one.")
 
     def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = False, **variables: Any) -> str:
         """The template's text for `messages` (`bos_token`, `eos_token`, ... given as `variables`).

@@ -31,6 +31,7 @@ import importlib.resources
 import math
 import os
 import re
+import sys
 from collections.abc import Iterator
 from typing import Annotated, Any
 
@@ -367,6 +368,10 @@ class ParquetFiles(TextFiles):
         format: TextFormat = TextFormat.PARQUET
 
 
+# Warnings this process printed already (the train and eval pipelines each set up their sources).
+_WARNED: set[str] = set()
+
+
 class ChatFiles(StreamedSource):
     """Chat JSONL (`{"messages": [{"role", "content"}, ...]}` per line), streamed and rendered with a chat template.
 
@@ -390,6 +395,17 @@ class ChatFiles(StreamedSource):
     def __init__(self, cfg: Config):
         super().__init__(cfg)
         self._template: ChatTemplate | None = None
+
+    def use_tokenizer(self, tokenizer: Tokenizer | None, where: str = "input.source") -> None:
+        """As the base's; warns once on stderr when the chats would render with a template other than the
+        tokenizer's own (`ChatTemplate.other_than_tokenizers`)."""
+        super().use_tokenizer(tokenizer, where)
+        warning = ChatTemplate.other_than_tokenizers(
+            tokenizer if tokenizer is not None else ByteTokenizer(), self._config.template, field=f"{where}.template"
+        )
+        if warning is not None and warning not in _WARNED:
+            _WARNED.add(warning)
+            print(f"Warning: {warning}", file=sys.stderr)
 
     def files(self) -> list[str]:
         """The files `paths` names (DataError naming `<where>.paths[i]`)."""

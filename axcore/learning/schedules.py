@@ -2,8 +2,8 @@
 
 A schedule is a `Configurable` that, given the peak learning rate and the run's
 length, returns an optax schedule (step -> learning rate). Every schedule starts
-with `warmup_steps` of linear warmup from 0 to the peak; subclasses give the shape
-after warmup (`after_warmup`).
+with `warmup_steps` (or `warmup_fraction` of the run) of linear warmup from 0 to the
+peak; subclasses give the shape after warmup (`after_warmup`).
 
 Built-ins (registered by the built-in plugin `axcore.trainer.plugin`): `constant`,
 `cosine`, `linear_decay` (named so because configs share one namespace and
@@ -21,7 +21,7 @@ from typing import Annotated
 import jax.numpy as jnp
 import optax
 
-from axcore.config import Configurable, NonNegative, Positive, UnitInterval
+from axcore.config import Configurable, NonNegative, Positive, Probability, UnitInterval
 from axcore.errors import ConfigError
 
 
@@ -33,25 +33,55 @@ class Schedule(Configurable):
 
         # Steps of linear warmup from 0 to the peak learning rate; 0 = none.
         warmup_steps: Annotated[int, NonNegative] = 0
+        # Warmup as a share of the schedule's steps instead (rounded, at least 1 step when above 0), so that it
+        # fits runs of any length; None = warmup_steps. Setting both is an error.
+        warmup_fraction: Annotated[float, Probability] | None = None
         # Step at which the schedule ends (decay complete); None = the trainer's max_steps.
         total_steps: Annotated[int, Positive] | None = None
 
+        def check_fields(self) -> list[tuple[str, str]]:
+            """Both warmups set: a problem at validation time (`axcore config`), before anything trains."""
+            if self.warmup_fraction is not None and self.warmup_steps:
+                return [("warmup_fraction", f"is set ({self.warmup_fraction}) beside warmup_steps ({self.warmup_steps}); "
+                                            f"set one of them (the other to 0 or null)")]
+            return []
+
+    def warmup(self, total_steps: int) -> int:
+        """The steps of warmup in a schedule of `total_steps` (the config's `total_steps` if set).
+
+        Raises:
+            ConfigError: both `warmup_steps` and `warmup_fraction` set, or either out of range.
+        """
+        cfg = self._config
+        if cfg.warmup_steps < 0:
+            raise ConfigError(f"Schedule warmup_steps must be >= 0, got {cfg.warmup_steps}.")
+        if cfg.warmup_fraction is None:
+            return cfg.warmup_steps
+        if cfg.warmup_steps:
+            raise ConfigError(
+                f"trainer.learner.schedule sets both warmup_steps ({cfg.warmup_steps}) and warmup_fraction "
+                f"({cfg.warmup_fraction}); set one of them (the other to 0 or null)."
+            )
+        if not 0.0 <= cfg.warmup_fraction < 1.0:
+            raise ConfigError(f"Schedule warmup_fraction must lie in [0, 1), got {cfg.warmup_fraction}.")
+        end = cfg.total_steps if cfg.total_steps is not None else total_steps
+        return max(round(cfg.warmup_fraction * end), 1) if cfg.warmup_fraction > 0 else 0
+
     def __call__(self, peak: float, total_steps: int) -> optax.Schedule:
-        """The learning rate of each step (0-based): warmup, then `after_warmup`.
+        """The learning rate of each step (0-based): `warmup` steps of warmup, then `after_warmup`.
 
         Args:
             peak: the learning rate at the end of warmup.
             total_steps: the run's length, used unless the config sets `total_steps`.
         """
         cfg = self._config
-        if cfg.warmup_steps < 0:
-            raise ConfigError(f"Schedule warmup_steps must be >= 0, got {cfg.warmup_steps}.")
+        warmup_steps = self.warmup(total_steps)
         end = cfg.total_steps if cfg.total_steps is not None else total_steps
-        after = self.after_warmup(peak, max(end - cfg.warmup_steps, 1))
-        if cfg.warmup_steps == 0:
+        after = self.after_warmup(peak, max(end - warmup_steps, 1))
+        if warmup_steps == 0:
             return after
-        warmup = optax.linear_schedule(0.0, peak, cfg.warmup_steps)
-        return optax.join_schedules([warmup, after], [cfg.warmup_steps])
+        warmup = optax.linear_schedule(0.0, peak, warmup_steps)
+        return optax.join_schedules([warmup, after], [warmup_steps])
 
     def after_warmup(self, peak: float, num_steps: int) -> optax.Schedule:
         """The learning rate `s` steps after warmup ended, for `s` in `[0, num_steps]` (and beyond)."""

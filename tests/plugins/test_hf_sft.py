@@ -47,7 +47,7 @@ MULTI_TURN = [
     {"role": "user", "content": "And the stone?"},
 ]
 TRAIN = ["trainer.max_steps=30", "trainer.eval_every=30", "trainer.eval_batches=2", "trainer.log_every=1",
-         "trainer.learner.learning_rate=2e-2", "trainer.learner.schedule.warmup_steps=2", "input.batch_size=4",
+         "trainer.learner.learning_rate=2e-2", "trainer.learner.schedule.warmup_fraction=0.07", "input.batch_size=4",
          "input.seq_len=96", "input.shuffle_window=8", "trainer.metrics_writers=[{type: jsonl}]",
          "trainer.checkpoint.async_save=false", "trainer.check_memory=false"]
 

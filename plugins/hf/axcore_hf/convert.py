@@ -9,14 +9,18 @@ finds the converter registered for its `model_type` (hook
     OUT/checkpoints/0/          a committed parameters-only checkpoint, step 0: the imported
                                 parameters (float32) and no optimizer state (`save_model`);
                                 training initializes the optimizer when it first resumes
-    OUT/hf/                     the source config.json and tokenizer files, kept for export
+    OUT/hf/                     the source config.json, tokenizer files and chat template
+                                (chat_template.jinja), kept for export (`axcore_hf.kept`)
 
 so `axcore train OUT/config.yaml` fine-tunes from it and `axcore generate OUT` /
-`axcore eval OUT` load it. axcore-to-hf restores a run's latest (or `--step`)
-parameters and writes config.json + model.safetensors (or shards of at most
+`axcore eval OUT` load it. Tensors holding NaN or infinite values are refused, naming
+the tensor (`--allow-nonfinite` imports them). axcore-to-hf restores a run's latest (or
+`--step`) parameters and writes config.json + model.safetensors (or shards of at most
 `--max-shard-size` plus model.safetensors.index.json) in `--dtype` (default: the
-dtype recorded at import, else float32). Both write into a temporary directory
-beside OUT and rename it, so OUT is never left half-written.
+dtype recorded at import, else float32), over the import's config.json and with its
+tokenizer files, also for a run made from the import (init_from, lora init/merge). A
+LoRA run is refused (merge it first). Both write into a temporary directory beside
+OUT and rename it, so OUT is never left half-written.
 """
 
 from __future__ import annotations
@@ -38,19 +42,18 @@ import yaml
 from axcore.checkpoint.interop import ConversionError, ModelConverter
 from axcore.errors import AxcoreError, did_you_mean
 from axcore.experiment import load_experiment, search_plugins
-from axcore.inference.run_loading import load_model, save_model
-from axcore.plugin.loading import installed_entry_points
+from axcore.inference.run_loading import load_model, locate_run, save_model
+from axcore.plugin.loading import PluginRequest, installed_entry_points
 
 from axcore_hf import files
+from axcore_hf.kept import KEPT_DIR, KEPT_FILES, kept_dir
 from axcore_hf.llama import first_layer
 from axcore_hf.patterns import pattern_of, scanned_decoder
 
-# Files of a Hugging Face directory kept in OUT/hf/ on import and copied back on export (tokenizers etc.).
-KEPT_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "tokenizer.model"
-)
 # The plugin providing the `hf` tokenizer (plugins/tokenizers), used when HF_DIR has a tokenizer.json.
 TOKENIZER_PLUGIN = "hf_tokenizer"
+# The plugin whose runs hold adapters beside the base weights (plugins/lora): merged before an export.
+ADAPTER_PLUGIN = "lora"
 # Config paths that do not change what a model computes from its parameters (ignored when checking an export).
 NUMERICALLY_IRRELEVANT = {"param_dtype", "compute_dtype", "param_init", "kernels", "op_extras", "remat_policy",
                           "unroll", "kernel", "dropout_rate", "z_loss_scale",
@@ -74,22 +77,6 @@ def find_converter(model_type: Any, where: str) -> ModelConverter:
     return entry.value
 
 
-def _fresh_dir(out: pathlib.Path) -> pathlib.Path:
-    """A new temporary directory beside `out` (same filesystem, so it can be renamed into place)."""
-    if out.exists():
-        raise ConversionError(f"{out} already exists; choose a new output directory or remove it.")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-
-
-def _publish(tmp: pathlib.Path, out: pathlib.Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; OUT gets the usual permissions.
-    files.fsync_tree(tmp)
-    os.rename(tmp, out)  # Atomic: OUT appears complete or not at all.
-
-
 def _experiment_name(hf_dir: pathlib.Path) -> str:
     name = "".join(c if c.isalnum() or c in "._-" else "-" for c in hf_dir.resolve().name).strip("._-")
     return f"hf-{name}"[:100]
@@ -99,7 +86,12 @@ def _experiment_name(hf_dir: pathlib.Path) -> str:
 
 
 def hf_to_axcore(
-    hf_dir: str | os.PathLike, out: str | os.PathLike, *, scan: bool = False, seq_len: int | None = None
+    hf_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    scan: bool = False,
+    seq_len: int | None = None,
+    allow_nonfinite: bool = False,
 ) -> pathlib.Path:
     """Imports the Hugging Face model in `hf_dir` into a new run directory `out` (module docstring).
 
@@ -108,9 +100,11 @@ def hf_to_axcore(
         out: the run directory to create; must not exist.
         scan: build the decoder as a `repeated_transformer` (lax.scan over stacked layers).
         seq_len: `input.seq_len` of the experiment; default min(256, max_position_embeddings).
+        allow_nonfinite: import tensors holding NaN or infinite values (refused by default).
 
     Raises:
-        ConversionError: missing files, unknown model_type, unsupported fields, shape mismatches.
+        ConversionError: missing files, unknown model_type, unsupported fields, shape mismatches,
+            NaN or infinite values (unless `allow_nonfinite`); nothing is written then.
     """
     hf_dir, out = pathlib.Path(hf_dir), pathlib.Path(out).absolute()
     config = files.read_config(hf_dir)
@@ -124,18 +118,20 @@ def hf_to_axcore(
     max_len = config.get("max_position_embeddings")
     data["input"] = {"seq_len": seq_len or min(256, max_len if isinstance(max_len, int) and max_len > 0 else 256)}
     data["trainer"] = {"run_dir": str(out)}
-    tokenizer = _tokenizer_section(hf_dir, out / "hf")
+    tokenizer = _tokenizer_section(hf_dir, out / KEPT_DIR)
     if tokenizer is not None:  # The checkpoint's own tokenizer, kept in OUT/hf/ (plugin hf_tokenizer).
         data["plugins"].append(TOKENIZER_PLUGIN)
         data["tokenizer"] = tokenizer
     tensors = files.read_tensors(hf_dir)  # Before anything is written: a bad file leaves nothing behind.
-    tmp = _fresh_dir(out)
+    if not allow_nonfinite:
+        _check_finite(tensors, hf_dir)
+    tmp = files.fresh_dir(out)
     try:
-        (tmp / "hf").mkdir()
-        files.write_config(tmp / "hf", {**config, "axcore_source_dtype": _stored_dtype(config, tensors)})
-        for name in KEPT_FILES:
+        (tmp / KEPT_DIR).mkdir()
+        files.write_config(tmp / KEPT_DIR, {**config, "axcore_source_dtype": _stored_dtype(config, tensors)})
+        for name in KEPT_FILES:  # The tokenizer and its chat template (chat_template.jinja, where transformers puts it).
             if (hf_dir / name).is_file():
-                shutil.copyfile(hf_dir / name, tmp / "hf" / name)
+                shutil.copyfile(hf_dir / name, tmp / KEPT_DIR / name)
         source = tmp / "experiment.yaml"
         header = (f"# Imported from {hf_dir.resolve()} (model_type {config['model_type']}) by "
                   f"`axcore convert hf-to-axcore`.\n# Fine-tune: axcore train {out / 'config.yaml'}\n")
@@ -149,7 +145,7 @@ def hf_to_axcore(
         if tokenizer is not None:
             experiment.config.tokenizer.path = tokenizer["path"]
             experiment.save(tmp)
-        _publish(tmp, out)
+        files.publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -178,6 +174,22 @@ def _tokenizer_section(hf_dir: pathlib.Path, kept: pathlib.Path) -> dict[str, An
     return {"type": "hf", "path": str(kept / "tokenizer.json"), "add_bos": add_bos}
 
 
+def _check_finite(tensors: Mapping[str, np.ndarray], hf_dir: pathlib.Path) -> None:
+    """Raises ConversionError naming the first tensor (by name) that holds a NaN or an infinite value."""
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        if tensor.dtype.kind in "iub":
+            continue  # Integer and boolean tensors (quantization codes, indices) are always finite.
+        finite = np.isfinite(tensor)
+        if not finite.all():
+            nans = int(np.isnan(tensor).sum())
+            raise ConversionError(
+                f"{hf_dir}: tensor '{name}' holds {nans} NaN and {finite.size - int(finite.sum()) - nans} infinite "
+                f"values (of {finite.size}); the checkpoint is damaged: re-download or re-save it, or pass "
+                f"--allow-nonfinite to import it as it is."
+            )
+
+
 def _stored_dtype(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray]) -> str:
     """The checkpoint's dtype: config.json's `dtype`/`torch_dtype`, else that of its tensors."""
     named = config.get("dtype") or config.get("torch_dtype")
@@ -201,17 +213,22 @@ def axcore_to_hf(
 ) -> pathlib.Path:
     """Exports the parameters of a run's checkpoint as a Hugging Face model directory `out` (module docstring).
 
+    The config.json starts from the import's (`axcore_hf.kept.kept_dir`: the run's own `hf/`, or that of
+    the run it was made from), whose tokenizer files and chat template are copied too.
+
     Raises:
-        ConversionError: the model cannot be expressed in the target family's config.json.
+        ConversionError: the model cannot be expressed in the target family's config.json, or the run
+            trains adapters (a LoRA run: `axcore lora merge` it first); nothing is written then.
         AxcoreError: the run or checkpoint cannot be loaded (RunLoadError, CheckpointError).
     """
     out = pathlib.Path(out).absolute()
     if out.exists():
         raise ConversionError(f"{out} already exists; choose a new output directory or remove it.")
+    _refuse_adapters(run)  # Before the (slow) restore.
     loaded = load_model(run, step=step)
     where = f"run {loaded.source}"
-    kept = loaded.source / "hf"
-    base = files.read_config(kept) if (kept / files.CONFIG_FILE).is_file() else {}
+    kept = kept_dir(loaded.source)
+    base = files.read_config(kept) if kept is not None else {}
     recorded = base.pop("axcore_source_dtype", None)
     if model_type is None:
         model_type = base.get("model_type") or ("mistral" if _uses_sliding_window(loaded.experiment) else "llama")
@@ -224,20 +241,37 @@ def axcore_to_hf(
     params = jax.tree.map(np.asarray, jax.device_get(loaded.params))
     tensors = {name: t.astype(np_dtype) for name, t in converter.params_to_outside(params, config).items()}
     limit = files.parse_size(max_shard_size) if max_shard_size else None
-    tmp = _fresh_dir(out)
+    tmp = files.fresh_dir(out)
     try:
         files.write_config(tmp, config)
         written = files.write_tensors(tmp, tensors, limit)
-        for name in KEPT_FILES:
+        for name in KEPT_FILES if kept is not None else ():
             if (kept / name).is_file():
                 shutil.copyfile(kept / name, tmp / name)
-        _publish(tmp, out)
+        files.publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     print(f"Exported step {loaded.step} of {loaded.source} as {model_type} ({dtype}) into {out}: "
           f"config.json, {', '.join(written)}.")
     return out
+
+
+def _refuse_adapters(run: str | os.PathLike) -> None:
+    """Raises ConversionError if the run lists the lora plugin: a config.json model has no place for its adapters,
+    so the export would be the bare base model."""
+    run_dir = locate_run(run).run_dir
+    try:
+        plugins = (yaml.safe_load((run_dir / "config.yaml").read_text("utf-8")) or {}).get("plugins") or []
+    except (OSError, yaml.YAMLError, AttributeError):
+        return  # Loading the run names the problem.
+    names = {PluginRequest.parse(p).name for p in plugins if isinstance(p, str)}
+    if ADAPTER_PLUGIN in names:
+        raise ConversionError(
+            f"Run {run_dir} trains LoRA adapters (plugin {ADAPTER_PLUGIN}), which a Hugging Face config.json has no "
+            f"place for: exporting it would write the bare base model. Fold them into the weights with `axcore lora "
+            f"merge {run} MERGED` and export MERGED, or write the adapters alone with `axcore lora export-peft`."
+        )
 
 
 def _uses_sliding_window(experiment: Any) -> bool:
@@ -313,6 +347,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     imp.add_argument("out", metavar="OUT", help="run directory to create (must not exist)")
     imp.add_argument("--scan", action="store_true", help="scan the decoder layers (repeated_transformer)")
     imp.add_argument("--seq-len", type=int, default=None, help="input.seq_len (default min(256, max_position_embeddings))")
+    imp.add_argument("--allow-nonfinite", action="store_true",
+                     help="import tensors holding NaN or infinite values (default: refused, naming the tensor)")
     exp = sub.add_parser("axcore-to-hf", help="export a run's checkpoint as a Hugging Face model directory")
     exp.add_argument("run", metavar="RUN_OR_CKPT", help="run directory, its checkpoints/ or one step's directory")
     exp.add_argument("out", metavar="OUT", help="directory to create (must not exist)")
@@ -327,7 +363,8 @@ def run(args: argparse.Namespace) -> int:
     """Runs `axcore convert`; bad input raises an AxcoreError (one line, exit 2)."""
     try:
         if args.direction == "hf-to-axcore":
-            hf_to_axcore(args.hf_dir, args.out, scan=args.scan, seq_len=args.seq_len)
+            hf_to_axcore(args.hf_dir, args.out, scan=args.scan, seq_len=args.seq_len,
+                         allow_nonfinite=args.allow_nonfinite)
         else:
             axcore_to_hf(args.run, args.out, step=args.step, dtype=args.dtype, max_shard_size=args.max_shard_size,
                          model_type=args.model_type)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -160,3 +161,24 @@ def fsync_tree(directory: pathlib.Path) -> None:
         for file in files:
             with open(os.path.join(root, file), "rb") as f:
                 os.fsync(f.fileno())
+
+
+def fresh_dir(out: pathlib.Path) -> pathlib.Path:
+    """A new temporary directory beside `out` (same filesystem, so `publish` can rename it into place).
+
+    Raises:
+        ConversionError: `out` exists.
+    """
+    if out.exists():
+        raise ConversionError(f"{out} already exists; choose a new output directory or remove it.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+
+
+def publish(tmp: pathlib.Path, out: pathlib.Path) -> None:
+    """Renames the finished temporary directory `tmp` (`fresh_dir`) to `out`: it appears complete or not at all."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private; OUT gets the usual permissions.
+    fsync_tree(tmp)
+    os.rename(tmp, out)

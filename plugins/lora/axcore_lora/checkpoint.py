@@ -24,6 +24,7 @@ from typing import Any
 
 from axcore.checkpoint import restore_verified
 from axcore.checkpoint.plugin import BACKENDS
+from axcore.plugin.loading import PluginRequest
 
 # The backend's registered name, and the metadata key marking its steps.
 NAME, MARK = "lora_adapters", "lora_adapters_only"
@@ -124,3 +125,46 @@ def lora_adapters(
     factory, settings = BACKENDS[inner], dict(inner_settings or {})
     backend = factory(directory, keep_last_n=keep_last_n, async_save=async_save, **settings)
     return AdapterCheckpoints(backend, base_run, factory, settings)
+
+
+def plain_config(raw: dict) -> dict:
+    """The experiment data `raw` of a LoRA run (its saved config.yaml) as that of the plain model it merges into.
+
+    Without the lora plugin and settings, the adapters' `model.op_extras.dot.lora`, the
+    `trainer.learner.trainable` the plugin set, and the `lora_adapters` checkpoint backend
+    (its inner backend restored); and without `init_from`: a saved config is already merged
+    onto its base run, so resolving it must not merge (and add the adapters) again.
+    """
+    raw = {k: v for k, v in raw.items() if k not in ("lora", "init_from", "resolved_by")}
+    raw["plugins"] = [p for p in raw.get("plugins") or [] if PluginRequest.parse(p).name != "lora"]
+    extras = (raw.get("model") or {}).get("op_extras") or {}
+    (extras.get("dot") or {}).pop("lora", None)
+    trainer = raw.get("trainer") or {}
+    (trainer.get("learner") or {}).pop("trainable", None)
+    checkpoint = trainer.get("checkpoint") or {}
+    if checkpoint.get("backend") == NAME:
+        settings = checkpoint.get("backend_settings") or {}
+        checkpoint["backend"] = settings.get("inner", "orbax")
+        checkpoint["backend_settings"] = settings.get("inner_settings") or {}
+    return raw
+
+
+def publish_run(out: str | os.PathLike, write: Any) -> pathlib.Path:
+    """Calls `write(tmp)` on a new temporary directory beside `out`, then renames it to `out` (never half-written).
+
+    Raises:
+        ConversionError: `out` exists.
+    """
+    import shutil
+
+    from axcore_hf import files
+
+    out = pathlib.Path(out).absolute()
+    tmp = files.fresh_dir(out)
+    try:
+        write(tmp)
+        files.publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -15,15 +15,22 @@ from axcore.cli.common import add_experiment, overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sub-commands and their arguments; `lora init --help` shows the defaults (`LoraSettings`')."""
+    from axcore_lora.kernel import LoraSettings
+
+    defaults = LoraSettings()
     sub = parser.add_subparsers(dest="action", required=True)
     init = sub.add_parser("init", help="a base run plus fresh adapters (B = 0) -> a LoRA run directory to train")
     init.add_argument("base_run", help="the base model's run directory (e.g. from axcore convert hf-to-axcore)")
     init.add_argument("out", help="new run directory (train it with axcore train OUT/config.yaml)")
     for name, kind, doc in [("rank", int, "adapter rank"), ("alpha", float, "scale numerator (alpha / rank)"),
-                            ("dropout", float, "dropout on the adapter's input"), ("target", str, "regex of the sites")]:
-        init.add_argument(f"--{name}", type=kind, default=None, help=f"{doc} (default: the lora plugin's)")
+                            ("dropout", float, "dropout on the adapter's input"),
+                            ("target", str, "regex fully matching the sites' short names")]:
+        shown = str(getattr(defaults, name)).replace("%", "%%")
+        init.add_argument(f"--{name}", type=kind, default=None, help=f"{doc} (default: {shown})")
     init.add_argument("--base-format", dest="base_format", choices=["float", "int8", "nf4"], default=None,
-                      help="store the targeted projections' frozen base quantized (QLoRA; default: float)")
+                      help=f"store the targeted projections' frozen base quantized (QLoRA; default: "
+                           f"{defaults.base_format})")
     init.add_argument("--adapters-only", action="store_true",
                       help="checkpoints hold the adapters only; the base is read from BASE_RUN (or, quantized, OUT/base)")
     export = sub.add_parser("export-peft", help="write a LoRA run's adapters as a PEFT adapter directory")

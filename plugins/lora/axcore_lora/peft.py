@@ -45,6 +45,8 @@ from axcore import AxcoreError
 from axcore.experiment import load_experiment
 from axcore.inference.run_loading import load_model, locate_run, save_model
 
+from axcore_hf.kept import copy_kept
+from axcore_lora.checkpoint import plain_config, publish_run
 from axcore_lora.kernel import A, B
 from axcore_lora.quant import dequantize_as, quantize_as, quantized_init
 
@@ -133,6 +135,7 @@ def _raw_config(run: str | os.PathLike) -> dict:
     source = run_dir / "experiment.yaml"
     raw = yaml.safe_load((source if source.is_file() else run_dir / "config.yaml").read_text("utf-8"))
     raw.pop("resolved_by", None)
+    raw.pop("init_from", None)  # A saved config is already merged onto its base run: never merged again.
     return raw
 
 
@@ -196,6 +199,7 @@ def import_peft(base_run: str | os.PathLike, adapter_dir: str | os.PathLike, out
             pair[name] = np.array(pair[name]).copy()
             pair[name][index] = new
     save_model(experiment, params, out)
+    copy_kept(base_run, out)  # The import's Hugging Face metadata (hf/).
     return pathlib.Path(out)
 
 
@@ -223,6 +227,7 @@ def init(base_run: str | os.PathLike, out: str | os.PathLike, settings: dict) ->
     if settings.get("checkpoint") == "adapters" and quantized:
         _save_base(experiment, params, pathlib.Path(settings["base_run"]))
     save_model(experiment, params, out)
+    copy_kept(base_run, out)  # The import's Hugging Face metadata (hf/), for the exports of what this run becomes.
     return pathlib.Path(out)
 
 
@@ -267,7 +272,11 @@ def merged_weight(weight: np.ndarray, contract: tuple[int, ...], a: np.ndarray, 
 
 
 def merge(run: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None) -> pathlib.Path:
-    """Writes LoRA run `run`'s model with the adapters folded into the weights, as a run without the lora plugin."""
+    """Writes LoRA run `run`'s model with the adapters folded into the weights, as a run without the lora plugin
+    (`axcore_lora.checkpoint.plain_config`: whatever `init_from` the run was trained with), with the import's
+    `hf/` metadata; `out` is written through a temporary directory, complete or absent."""
+    if pathlib.Path(out).exists():
+        raise PeftAdapterError(f"{pathlib.Path(out).absolute()} already exists; choose a new run directory or remove it.")
     loaded = load_model(run, step=step)
     settings = loaded.experiment.settings.get("lora")
     if settings is None:
@@ -288,15 +297,9 @@ def merge(run: str | os.PathLike, out: str | os.PathLike, *, step: int | None = 
             weight[index] = merged_weight(weight[index], contract, _pick(pair[A], index), _pick(pair[B], index), scale)
             parent[weight_path[-1]] = weight
     params = _drop_adapters(params)
-    raw = _raw_config(run)
-    raw["plugins"] = [p for p in raw.get("plugins", []) if p != "lora"]
-    raw.pop("lora", None)
-    extras = (raw.get("model") or {}).get("op_extras") or {}
-    if "lora" in (extras.get("dot") or {}):
-        del extras["dot"]["lora"]
-    ((raw.get("trainer") or {}).get("learner") or {}).pop("trainable", None)
-    save_model(_load_raw(raw, out), params, out)
-    return pathlib.Path(out)
+    experiment = _load_raw(plain_config(_raw_config(run)), out)
+    # The import's Hugging Face metadata (hf/) goes along, so the merged run exports like the import.
+    return publish_run(out, lambda tmp: (save_model(experiment, params, tmp), copy_kept(loaded.source, tmp)))
 
 
 def _dequantized(params: Any, specs: Any) -> Any:
