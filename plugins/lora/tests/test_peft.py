@@ -288,3 +288,22 @@ def test_target_modules_as_one_regular_expression_selects_as_in_peft(imported, t
     attention = load_model(tmp_path / "run").params["decoder"]["layer0"]["self_attention"]["kernel_state"]
     assert sorted(attention) == ["q_proj"]
     assert np.abs(_axcore_logits(tmp_path / "run") - _logits(model)).max() < TOLERANCE
+
+
+def test_exporting_a_qlora_run_warns_that_the_adapters_belong_to_the_quantized_base(imported, tmp_path):
+    """export-peft of a run trained against an nf4 base still writes the adapters (exit 0), and says in a warning
+    and in the directory's README.md which base they belong to; a float LoRA run's export says nothing."""
+    _, _, root = imported
+    run = tmp_path / "qlora"
+    assert main(["lora", "init", str(root / "base"), str(run), "--rank", "2", "--base-format", "nf4"]) == 0
+    result = _axcore("lora", "export-peft", str(run), str(tmp_path / "exported"))
+    assert result.returncode == 0, result.stderr
+    warning = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warning) == 1 and f"run {run} was trained against a nf4-quantized base" in warning[0], result.stderr
+    assert "axcore lora merge" in warning[0]
+    assert "belong to that quantized base" in (tmp_path / "exported" / "README.md").read_text()
+    assert sorted(p.name for p in (tmp_path / "exported").iterdir()) == \
+        ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    plain = _axcore("lora", "export-peft", str(root / "lora"), str(tmp_path / "plain"))
+    assert plain.returncode == 0 and "warning" not in plain.stderr, plain.stderr
+    assert not (tmp_path / "plain" / "README.md").exists()
