@@ -232,8 +232,9 @@ def _check_modules(adapter: Adapter, adapter_dir: pathlib.Path, base: Any) -> No
                                    f"weights do not belong together.")
     missing = [m for m in present if selects(adapter.config, m) and m not in adapter.pairs]
     if missing:
-        raise PeftAdapterError(f"'{weights}' has no lora_A/lora_B tensors for {missing[0]} (and {len(missing) - 1} "
-                               f"more), which target_modules ({json.dumps(targets)}) selects; the file is incomplete.")
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise PeftAdapterError(f"'{weights}' has no lora_A/lora_B tensors for {missing[0]}{more}, which target_modules "
+                               f"({json.dumps(targets)}) selects; the file is incomplete.")
 
 
 def _with_fresh_adapters(base_run: str | os.PathLike, settings: dict, out: str | os.PathLike, *, base: Any = None):

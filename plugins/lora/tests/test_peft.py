@@ -252,6 +252,9 @@ BROKEN = {  # case -> (edit of a copy of the peft-saved adapter, file named, wor
     "dora": (_edit_config(lambda c: c.update(use_dora=True)), "adapter_config.json", "key 'use_dora' is true"),
     "nan_weight": (_edit_tensors(lambda t: t[f"{Q0}.lora_B.weight"].__setitem__((0, 0), np.nan)),
                    "adapter_model.safetensors", f"tensor {Q0}.lora_B.weight has 1 NaN or infinite values"),
+    "a_module_missing": (_edit_tensors(lambda t: [t.pop(f"{Q0}.lora_{w}.weight") for w in "AB"]),
+                         "adapter_model.safetensors",
+                         "has no lora_A/lora_B tensors for model.layers.0.self_attn.q_proj, which target_modules"),
     "config_and_weights_disagree": (_edit_config(lambda c: c.update(target_modules=["q_proj"])),
                                     "adapter_model.safetensors", "target_modules ([\"q_proj\"]) does not select"),
 }
