@@ -2,7 +2,8 @@
 
 `axcore_lora.kernel` holds the adapter arithmetic (a `dot` kernel with the adapters as its
 per-site state), `axcore_lora.plugin` the settings and config transform, and
-`axcore_lora.peft` the PEFT adapter directory export/import and the merged export.
+`axcore_lora.peft` the PEFT adapter directory export/import and the merged export
+(`axcore_lora.peft_files` checks an adapter directory before an import writes anything).
 """
 
 from axcore_lora.kernel import LoraConfigError, LoraDot, LoraSettings, lora_sites

@@ -42,7 +42,6 @@ import numpy as np
 from axcore import AxcoreError, ConfigBase
 from axcore.config import NonNegative, Positive
 from axcore.kernels import DotProblem, Support, reference_dot, unknown_extras
-from axcore.kernels.dot import wide_result
 from axcore.module import current_context
 from axcore.params import ParameterSpec, constant, fold_in_name
 
@@ -52,6 +51,8 @@ from axcore_lora import quant
 EXTRA = "lora"
 # The adapter pair's names under `kernel_state/<site>`.
 A, B = "lora_a", "lora_b"
+# Values of one dequantized chunk of a QLoRA base weight (1 MiB in float32; `quantized_dot`).
+CHUNK_ELEMENTS = 2**18
 
 
 class LoraConfigError(AxcoreError):
@@ -143,15 +144,72 @@ def stored_weight_spec(problem: DotProblem, spec: ParameterSpec) -> ParameterSpe
 
 def base_dot(problem: DotProblem, x: jax.Array, w: jax.Array, fmt: str) -> jax.Array:
     """x . w for the base weight `w` as stored: the reference dot of a float weight, or (int8 / nf4) the
-    stored weight dequantized to the compute dtype as `[out, in]` and contracted with x's trailing dims."""
+    stored weight dequantized to the compute dtype as `[out, in]` and contracted with x's trailing dims
+    (`quantized_dot`)."""
     if fmt == "float":
         return reference_dot(problem, x, w)
     k, out = len(problem.contract), math.prod(problem.out_dims)
     lead = x.shape[: x.ndim - k]
     x2 = x.reshape(*lead, problem.in_dim).astype(problem.compute_dtype)
-    rows = quant.dequantize(fmt, w, problem.in_dim, out, problem.compute_dtype)
-    contract = functools.partial(jnp.einsum, "...i,oi->...o")
-    return wide_result(contract, x2, rows, problem.output_dtype).reshape(*lead, *problem.out_dims)
+    y = quantized_dot(fmt, problem.in_dim, out, np.dtype(problem.compute_dtype), np.dtype(problem.output_dtype), x2, w)
+    return y.reshape(*lead, *problem.out_dims)
+
+
+def row_chunks(fmt: str, in_dim: int, out: int) -> int:
+    """Into how many equal chunks of output rows `quantized_dot` splits an `[out, in]` weight stored in `fmt`: the
+    fewest, at least 2 (XLA folds a loop of one trip into straight code), whose chunk has at most `CHUNK_ELEMENTS`
+    values, each chunk whole rows and (nf4) whole blocks of `quant.BLOCK`; else the most such chunks there are
+    (1 when none: an nf4 weight whose rows straddle blocks)."""
+    splits = [n for n in range(1, out + 1)
+              if out % n == 0 and (n == 1 or fmt != "nf4" or out // n * in_dim % quant.BLOCK == 0)]
+    return next((n for n in splits if n >= 2 and out // n * in_dim <= CHUNK_ELEMENTS), splits[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def quantized_dot(fmt: str, in_dim: int, out: int, compute_dtype: Any, output_dtype: Any, x2: jax.Array,
+                  w: jax.Array) -> jax.Array:
+    """`x2 [..., in] @ dequantize(w)^T -> [..., out]` in `output_dtype`, `w` stored in `fmt` (`axcore_lora.quant`).
+
+    The whole float weight never exists: a loop dequantizes `row_chunks` chunks of output rows
+    one at a time (in the compute dtype) and contracts each with x2, in the forward pass and
+    again in the backward, which keeps only the stored bytes `w` as its residual. Dequantized
+    whole, XLA computes every layer's float weight at the start of the step (they depend on
+    parameters only) and keeps it for the input's gradient, so a float copy of the whole
+    quantized base lives across the step, which undoes QLoRA's saving (an optimization barrier
+    does not stop this on CPU, where XLA drops barriers before scheduling). The cotangent is
+    rounded to the compute dtype first, as `wide_result` does; the frozen integer `w` gets
+    no gradient (float0).
+    """
+    n = row_chunks(fmt, in_dim, out)
+
+    def one(chunk):
+        rows = quant.dequantize(fmt, chunk, in_dim, out // n, compute_dtype)
+        return jnp.einsum("...i,oi->...o", x2, rows, preferred_element_type=output_dtype).astype(output_dtype)
+
+    y = jax.lax.map(one, w.reshape(n, -1, w.shape[-1]))  # [n, ..., out // n]
+    return jnp.moveaxis(y, 0, -2).reshape(*x2.shape[:-1], out)
+
+
+def _quantized_dot_fwd(fmt, in_dim, out, compute_dtype, output_dtype, x2, w):
+    return quantized_dot(fmt, in_dim, out, compute_dtype, output_dtype, x2, w), w
+
+
+def _quantized_dot_bwd(fmt, in_dim, out, compute_dtype, output_dtype, w, g):
+    del output_dtype
+    n = row_chunks(fmt, in_dim, out)
+    g = jnp.moveaxis(g.astype(compute_dtype).reshape(*g.shape[:-1], n, out // n), -2, 0)  # [n, ..., out // n]
+
+    def add(dx, chunk_and_g):
+        chunk, g_chunk = chunk_and_g
+        rows = quant.dequantize(fmt, chunk, in_dim, out // n, compute_dtype)
+        return dx + jnp.einsum("...o,oi->...i", g_chunk, rows, preferred_element_type=compute_dtype), None
+
+    dx = jnp.zeros((*g.shape[1:-1], in_dim), compute_dtype)
+    dx, _ = jax.lax.scan(add, dx, (w.reshape(n, -1, w.shape[-1]), g))
+    return dx, np.zeros(w.shape, jax.dtypes.float0)
+
+
+quantized_dot.defvjp(_quantized_dot_fwd, _quantized_dot_bwd)
 
 
 def _site_support(problem: DotProblem, targeted: bool) -> Support:

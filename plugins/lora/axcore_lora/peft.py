@@ -13,13 +13,16 @@ is the Hugging Face order (`axcore_hf.llama` maps every weight by a transpose an
 reshape). PEFT adds `B @ A * lora_alpha / r` to each `[out, in]` weight, the same
 product as `axcore_lora.kernel`.
 
-- `export_peft(run, out)`: the adapters of a LoRA run's checkpoint -> `out/`.
+- `export_peft(run, out)`: the adapters of a LoRA run's checkpoint -> `out/`. Of a QLoRA
+  run (`lora.base_format` int8 / nf4) it warns, and writes `out/README.md` saying, that
+  the adapters belong to the quantized base (`quantized_base_note`).
 - `import_peft(base_run, adapter_dir, out)`: a base run (e.g. `axcore convert
   hf-to-axcore`'s) plus a PEFT adapter -> a LoRA run directory `out` (parameters only, step
   0; `axcore train out/config.yaml` fine-tunes it further). Refused in one line
-  (`PeftAdapterError`) when the adapter is not LoRA, or a tensor names a module the base
-  has no projection for, or has another shape than the base's projection (an adapter
-  trained for another base).
+  (`PeftAdapterError`), before anything is written, when the adapter's files do not pass
+  `axcore_lora.peft_files` (schema, tensors' names, dtypes, pairs, ranks, finite values),
+  or `target_modules` or a tensor names a module the base has no projection for, or a
+  tensor has another shape than the base's projection (an adapter trained for another base).
 - `init(base_run, out, settings)`: a base run plus fresh adapters (B = 0: the base's logits)
   -> a LoRA run directory `out` to fine-tune with `axcore train out/config.yaml`.
 - `merge(run, out)`: the base model with every adapter folded in,
@@ -30,6 +33,7 @@ product as `axcore_lora.kernel`.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import pathlib
@@ -41,26 +45,24 @@ import jax
 import numpy as np
 import yaml
 
-from axcore import AxcoreError
 from axcore.experiment import load_experiment
 from axcore.inference.run_loading import load_model, locate_run, save_model
 
 from axcore_hf.kept import copy_kept
 from axcore_lora.checkpoint import plain_config, publish_run
 from axcore_lora.kernel import A, B
+from axcore_lora.peft_files import CONFIG_NAME, PREFIX, WEIGHTS_NAME, Adapter, PeftAdapterError, read_adapter, selects
 from axcore_lora.quant import dequantize_as, quantize_as, quantized_init
 
+logger = logging.getLogger(__name__)
 # A layer's weight name -> the dot site it feeds (attention's own sites; a Linear's `dot`).
 SITE_OF_WEIGHT = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "weight": "dot"}
 KERNEL_STATE = "kernel_state"
+# How each lora.base_format stores a base weight (axcore_lora.quant), for the export's note.
+QUANT_FORMS = {"int8": "int8 codes with a float32 absmax scale per output channel",
+               "nf4": "NF4 blocks of 64 with a float32 absmax each, as bitsandbytes' nf4 without double quantization"}
 # The weight dims each Hugging Face layout kind (axcore_hf.llama) contracts.
 CONTRACT = {"in_proj": (0,), "out_proj": (0, 1), "linear": (0,)}
-CONFIG_NAME, WEIGHTS_NAME = "adapter_config.json", "adapter_model.safetensors"
-PREFIX = "base_model.model."
-
-
-class PeftAdapterError(AxcoreError):
-    """A PEFT adapter directory that does not fit (names the file or tensor and what to do)."""
 
 
 def _get(tree: Any, path: tuple) -> Any:
@@ -125,7 +127,23 @@ def export_peft(run: str | os.PathLike, out: str | os.PathLike, *, step: int | N
         "modules_to_save": None, "base_model_name_or_path": None,
     }
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n", "utf-8")
+    if settings.base_format != "float":
+        note = quantized_base_note(loaded.source, settings)
+        (out / "README.md").write_text(f"# LoRA adapters exported by axcore\n\n{note}\n", "utf-8")
+        logger.warning("axcore: warning: %s", note)
     return out
+
+
+def quantized_base_note(run: Any, settings: Any) -> str:
+    """What base a QLoRA run's (`lora.base_format` int8 / nf4) exported adapters belong to, and how to use them."""
+    which = "every projection" if settings.quantize == "all" else f"the projections lora.target {settings.target!r} selects"
+    return (
+        f"run {run} was trained against a {settings.base_format}-quantized base ({which} stored "
+        f"{settings.base_format}, lora.base_format), so these adapters belong to that quantized base, not to the float "
+        f"model it was quantized from: loaded on the float base in PEFT its logits differ. Use them on the base "
+        f"quantized the same way (axcore_lora.quant: {QUANT_FORMS[settings.base_format]}), or run axcore lora merge "
+        f"{run} OUT to fold them into the dequantized base and export that."
+    )
 
 
 def _raw_config(run: str | os.PathLike) -> dict:
@@ -154,62 +172,83 @@ def _target_regex(modules: list[str]) -> str:
 
 
 def import_peft(base_run: str | os.PathLike, adapter_dir: str | os.PathLike, out: str | os.PathLike) -> pathlib.Path:
-    """A LoRA run directory `out` of base run `base_run`'s latest parameters plus the PEFT adapter in `adapter_dir`."""
-    from safetensors.numpy import load_file
+    """A LoRA run directory `out` of base run `base_run`'s latest parameters plus the PEFT adapter in `adapter_dir`.
 
-    adapter_dir = pathlib.Path(adapter_dir)
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
-        if not (adapter_dir / name).is_file():
-            raise PeftAdapterError(f"'{adapter_dir / name}' is missing; pass a PEFT adapter directory (save_pretrained).")
-    config = json.loads((adapter_dir / CONFIG_NAME).read_text("utf-8"))
-    if config.get("peft_type") != "LORA" or config.get("use_rslora") or config.get("fan_in_fan_out"):
-        raise PeftAdapterError(f"'{adapter_dir / CONFIG_NAME}': only plain LoRA adapters import (peft_type LORA, "
-                               f"no rslora, no fan_in_fan_out); got peft_type {config.get('peft_type')!r}.")
-    tensors = load_file(str(adapter_dir / WEIGHTS_NAME))
-    modules = sorted({k.removeprefix(PREFIX).rsplit(".lora_", 1)[0] for k in tensors})
-    rank = int(config["r"])
-    settings = {"rank": rank, "alpha": float(config["lora_alpha"]), "dropout": float(config.get("lora_dropout") or 0.0),
-                "target": _target_regex(modules)}
-    experiment, params, base = _with_fresh_adapters(base_run, settings, out)
-    found = {}
-    for module, state, index, _, _ in _modules(params, _num_layers(experiment)):
-        found[module] = (state, index)
-    for key, value in tensors.items():
-        module, which = key.removeprefix(PREFIX).rsplit(".lora_", 1)
-        pair = _get(params, found[module][0]) if module in found else None
-        if pair is None or A not in pair:
-            raise PeftAdapterError(f"'{adapter_dir / WEIGHTS_NAME}': tensor {key} names no projection of base run "
-                                   f"{base.source}; the adapter was trained for another base model.")
+    Everything is checked before `out` is written (`PeftAdapterError`, one line): the adapter's files
+    (`axcore_lora.peft_files.read_adapter`), then against the base: every `target_modules` entry and every
+    tensor names a projection of the base, the tensors are exactly the modules the config selects, and
+    each has the base projection's shape."""
+    adapter = read_adapter(adapter_dir)
+    weights = pathlib.Path(adapter_dir) / WEIGHTS_NAME
+    base = load_model(base_run)
+    _check_modules(adapter, pathlib.Path(adapter_dir), base)
+    rank = adapter.config["r"]
+    settings = {"rank": rank, "alpha": float(adapter.config["lora_alpha"]),
+                "dropout": float(adapter.config.get("lora_dropout") or 0.0), "target": _target_regex(list(adapter.pairs))}
+    experiment, params, base = _with_fresh_adapters(base_run, settings, out, base=base)
+    found = {module: (state, index) for module, state, index, _, _ in _modules(params, _num_layers(experiment))}
+    for module, (a, b) in adapter.pairs.items():
         state, index = found[module]
-        name, target = (A, "a") if which.startswith("A") else (B, "b")
-        current = pair[name] if index is None else pair[name][index]
-        value = np.asarray(value, np.float32)
-        # PEFT's layout: lora_A [rank, in] = a^T; lora_B [out, rank] = b as [rank, out], transposed.
-        needed = (current.shape[1], current.shape[0]) if target == "a" else (math.prod(current.shape[1:]), current.shape[0])
-        if value.shape != needed:
-            raise PeftAdapterError(
-                f"'{adapter_dir / WEIGHTS_NAME}': tensor {key} has shape {list(value.shape)}, but base run "
-                f"{base.source} with lora rank {rank} needs {list(needed)}; the adapter was trained for another "
-                f"base model."
-            )
-        new = value.T if target == "a" else value.T.reshape(current.shape)
-        if index is None:
-            pair[name] = new.astype(current.dtype)
-        else:
-            pair[name] = np.array(pair[name]).copy()
-            pair[name][index] = new
+        pair = _get(params, state)
+        for name, value, key in ((A, a, "lora_A"), (B, b, "lora_B")):
+            current = pair[name] if index is None else pair[name][index]
+            # PEFT's layout: lora_A [rank, in] = a^T; lora_B [out, rank] = b as [rank, out], transposed.
+            needed = (current.shape[1], current.shape[0]) if name == A else \
+                (math.prod(current.shape[1:]), current.shape[0])
+            if value.shape != needed:
+                raise PeftAdapterError(
+                    f"'{weights}': tensor {PREFIX}{module}.{key}.weight has shape {list(value.shape)}, but base run "
+                    f"{base.source} with lora rank {rank} needs {list(needed)}; the adapter was trained for another "
+                    f"base model."
+                )
+            new = value.T if name == A else value.T.reshape(current.shape)
+            if index is None:
+                pair[name] = new.astype(current.dtype)
+            else:
+                pair[name] = np.array(pair[name]).copy()
+                pair[name][index] = new
     save_model(experiment, params, out)
     copy_kept(base_run, out)  # The import's Hugging Face metadata (hf/).
     return pathlib.Path(out)
 
 
-def _with_fresh_adapters(base_run: str | os.PathLike, settings: dict, out: str | os.PathLike):
-    """`(experiment, params, base)`: base run `base_run` with the lora plugin of `settings` (run directory `out`), its
-    parameters the base's latest ones plus freshly initialised adapters (A Kaiming-uniform, B = 0)."""
+def _check_modules(adapter: Adapter, adapter_dir: pathlib.Path, base: Any) -> None:
+    """`PeftAdapterError` unless every target_modules entry and every tensor's module is a projection of `base`
+    (a loaded run) and the tensors are exactly the modules the config selects (PEFT's rule)."""
+    present = [m for m, _, _, weight, _ in _modules(base.params, _num_layers(base.experiment))
+               if _get(base.params, weight) is not None]
+    names = sorted({m.split(".")[-1] for m in present})
+    targets = adapter.config["target_modules"]
+    config_file, weights = adapter_dir / CONFIG_NAME, adapter_dir / WEIGHTS_NAME
+    for entry in [targets] if isinstance(targets, str) else targets:
+        if not any(selects({"target_modules": [entry] if isinstance(targets, list) else targets}, m) for m in present):
+            raise PeftAdapterError(
+                f"'{config_file}': target_modules entry {entry!r} names no projection of base run {base.source} "
+                f"(its projections: {', '.join(names)}); the adapter was trained for another model."
+            )
+    for module in adapter.pairs:
+        if module not in present:
+            raise PeftAdapterError(f"'{weights}': tensor {PREFIX}{module}.lora_A.weight names no projection of base "
+                                   f"run {base.source}; the adapter was trained for another base model.")
+        if not selects(adapter.config, module):
+            raise PeftAdapterError(f"'{weights}': tensor {PREFIX}{module}.lora_A.weight is a module that "
+                                   f"target_modules ({json.dumps(targets)}) does not select; the config and the "
+                                   f"weights do not belong together.")
+    missing = [m for m in present if selects(adapter.config, m) and m not in adapter.pairs]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise PeftAdapterError(f"'{weights}' has no lora_A/lora_B tensors for {missing[0]}{more}, which target_modules "
+                               f"({json.dumps(targets)}) selects; the file is incomplete.")
+
+
+def _with_fresh_adapters(base_run: str | os.PathLike, settings: dict, out: str | os.PathLike, *, base: Any = None):
+    """`(experiment, params, base)`: base run `base_run` (`base`: it loaded already) with the lora plugin of
+    `settings` (run directory `out`), its parameters the base's latest ones plus freshly initialised adapters
+    (A Kaiming-uniform, B = 0)."""
     raw = _raw_config(base_run)
     raw["plugins"] = [*[p for p in raw.get("plugins", []) if p != "lora"], "lora"]
     raw["lora"] = settings
-    base = load_model(base_run)
+    base = base or load_model(base_run)
     experiment = _load_raw(raw, out)
     model = experiment.config.model.instantiate(name="model", registries=experiment.registries)
     params = jax.device_get(model.initialize(jax.random.key(experiment.config.trainer.seed)))

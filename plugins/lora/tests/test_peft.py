@@ -11,6 +11,10 @@ made for a wider base is refused in one line, exit status 2.
 """
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -19,7 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from safetensors.numpy import load_file  # noqa: E402
+from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import axcore  # noqa: E402
 from axcore.cli import main  # noqa: E402
@@ -196,3 +200,113 @@ def test_qlora_init_quantizes_the_imported_base_and_merge_dequantizes_it(importe
             bound = np.abs(rows).max(axis=1, keepdims=True) * (1.0 - 0.6961928009986877) / 2
             assert np.all(np.abs(got_rows - rows) <= bound * (1 + 1e-6)) and np.abs(got_rows - rows).max() > 0, path
     np.testing.assert_allclose(_axcore_logits(run), _axcore_logits(merged_run), rtol=1e-5, atol=1e-5)
+
+
+# -- import-peft refuses a broken adapter before writing anything (a subprocess each) ---------------------
+
+
+def _axcore(*args):
+    return subprocess.run([sys.executable, "-m", "axcore.cli", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def _edit_config(change):
+    def edit(adapter):
+        path = adapter / "adapter_config.json"
+        config = json.loads(path.read_text())
+        change(config)
+        path.write_text(json.dumps(config))
+    return edit
+
+
+def _edit_tensors(change):
+    def edit(adapter):
+        path = adapter / "adapter_model.safetensors"
+        tensors = load_file(str(path))
+        change(tensors)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return edit
+
+
+def _truncate(adapter):
+    path = adapter / "adapter_model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
+BROKEN = {  # case -> (edit of a copy of the peft-saved adapter, file named, words of the one line)
+    "garbage_config": (lambda d: (d / "adapter_config.json").write_text("{r: 4,,"), "adapter_config.json",
+                       "is not JSON"),
+    "r_missing": (_edit_config(lambda c: c.pop("r")), "adapter_config.json", "key 'r' is missing"),
+    "r_a_string": (_edit_config(lambda c: c.update(r="four")), "adapter_config.json",
+                   "key 'r' is \"four\"; it must be a positive integer"),
+    "truncated_weights": (_truncate, "adapter_model.safetensors", "is not a readable safetensors file"),
+    "targets_name_nothing": (_edit_config(lambda c: c.update(target_modules=["qkv_proj", "q_proj"])),
+                             "adapter_config.json", "target_modules entry 'qkv_proj' names no projection"),
+    "targets_a_plain_string": (_edit_config(lambda c: c.update(target_modules="q_proj")), "adapter_config.json",
+                               "target_modules entry 'q_proj' names no projection"),
+    "lora_a_int32": (_edit_tensors(lambda t: t.update({f"{Q0}.lora_A.weight": t[f"{Q0}.lora_A.weight"].astype(np.int32)})),
+                     "adapter_model.safetensors", f"tensor {Q0}.lora_A.weight is stored as I32"),
+    "lora_a_missing": (_edit_tensors(lambda t: t.pop(f"{Q0}.lora_A.weight")), "adapter_model.safetensors",
+                       f"tensor {Q0}.lora_A.weight is missing beside {Q0}.lora_B.weight"),
+    "dora": (_edit_config(lambda c: c.update(use_dora=True)), "adapter_config.json", "key 'use_dora' is true"),
+    "nan_weight": (_edit_tensors(lambda t: t[f"{Q0}.lora_B.weight"].__setitem__((0, 0), np.nan)),
+                   "adapter_model.safetensors", f"tensor {Q0}.lora_B.weight has 1 NaN or infinite values"),
+    "a_module_missing": (_edit_tensors(lambda t: [t.pop(f"{Q0}.lora_{w}.weight") for w in "AB"]),
+                         "adapter_model.safetensors",
+                         "has no lora_A/lora_B tensors for model.layers.0.self_attn.q_proj, which target_modules"),
+    "config_and_weights_disagree": (_edit_config(lambda c: c.update(target_modules=["q_proj"])),
+                                    "adapter_model.safetensors", "target_modules ([\"q_proj\"]) does not select"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_broken_adapter_is_refused_in_one_line_before_anything_is_written(case, imported, tmp_path):
+    _, _, root = imported
+    edit, file, words = BROKEN[case]
+    adapter = tmp_path / "adapter"
+    shutil.copytree(root / "adapter", adapter)
+    edit(adapter)
+    result = _axcore("lora", "import-peft", str(root / "base"), str(adapter), str(tmp_path / "out"))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert str(adapter / file) in lines[0] and words in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_target_modules_as_one_regular_expression_selects_as_in_peft(imported, tmp_path):
+    """PEFT's other form: a string fully matched against each module's name. Imported, the logits are PEFT's."""
+    _, config, root = imported
+    peft_config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=r".*\.(q_proj|down_proj)")
+    model = peft.get_peft_model(_hf_model(config), peft_config)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.1)
+    model.eval().save_pretrained(tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"] == \
+        r".*\.(q_proj|down_proj)"
+    assert main(["lora", "import-peft", str(root / "base"), str(tmp_path / "adapter"), str(tmp_path / "run")]) == 0
+    attention = load_model(tmp_path / "run").params["decoder"]["layer0"]["self_attention"]["kernel_state"]
+    assert sorted(attention) == ["q_proj"]
+    assert np.abs(_axcore_logits(tmp_path / "run") - _logits(model)).max() < TOLERANCE
+
+
+def test_exporting_a_qlora_run_warns_that_the_adapters_belong_to_the_quantized_base(imported, tmp_path):
+    """export-peft of a run trained against an nf4 base still writes the adapters (exit 0), and says in a warning
+    and in the directory's README.md which base they belong to; a float LoRA run's export says nothing."""
+    _, _, root = imported
+    run = tmp_path / "qlora"
+    assert main(["lora", "init", str(root / "base"), str(run), "--rank", "2", "--base-format", "nf4"]) == 0
+    result = _axcore("lora", "export-peft", str(run), str(tmp_path / "exported"))
+    assert result.returncode == 0, result.stderr
+    warning = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warning) == 1 and f"run {run} was trained against a nf4-quantized base" in warning[0], result.stderr
+    assert "axcore lora merge" in warning[0]
+    assert "belong to that quantized base" in (tmp_path / "exported" / "README.md").read_text()
+    assert sorted(p.name for p in (tmp_path / "exported").iterdir()) == \
+        ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    plain = _axcore("lora", "export-peft", str(root / "lora"), str(tmp_path / "plain"))
+    assert plain.returncode == 0 and "warning" not in plain.stderr, plain.stderr
+    assert not (tmp_path / "plain" / "README.md").exists()

@@ -195,3 +195,27 @@ def test_a_bad_base_format_or_a_quantized_tied_head_is_refused_and_the_cli_repor
     assert main(["lora", "memory", "default", "--set", "plugins=[lora]", "--set", "lora.base_format=nf4",
                  *[f"--set={o}" for o in tiny.TINY]]) == 0
     assert "base_bytes_per_parameter: 0.5625" in capsys.readouterr().out
+
+
+def _step_bytes(fmt, overrides):
+    """Argument + temporary bytes of the compiled train step (XLA's memory_analysis; deterministic, not timed)."""
+    step = TrainStep(_experiment(fmt, *overrides))
+    compiled = step.compiled_train_step().lower(step.abstract_state(), step.abstract_batch()).compile()
+    analysis = compiled.memory_analysis()
+    return analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
+
+
+def test_the_compiled_qlora_step_keeps_no_float_copy_of_the_quantized_base():
+    """What QLoRA saves in the step is what storing the targeted projections quantized saves: their float32 bytes
+    minus the stored bytes (int8: [out, in + 4]; nf4: ceil(in * out / 64) blocks of 36), at least 90% of it. A dequantized
+    float weight kept for the backward pass (or computed for every layer up front) would eat that saving."""
+    dim, hidden = 128, 512
+    overrides = [f"model.dim={dim}", f"model.decoder.layer.feed_forward.hidden_dim={hidden}", "input.batch_size=1",
+                 "input.seq_len=16"]
+    sites = [(dim, dim)] * 4 + [(dim, hidden), (hidden, dim)]  # q, k, v, o, up, down per layer; 2 layers.
+    lora = _step_bytes("float", overrides)
+    for fmt in ("int8", "nf4"):
+        stored = sum(o * (i + 4) if fmt == "int8" else math.ceil(i * o / 64) * 36 for i, o in sites)
+        saving = 2 * (sum(4 * i * o for i, o in sites) - stored)
+        got = lora - _step_bytes(fmt, overrides)
+        assert got >= 0.9 * saving, (fmt, got, saving)
