@@ -43,10 +43,12 @@ from axcore.data.device_loader import DeviceLoader
 from axcore.errors import AxcoreError, one_line
 from axcore.layers.pipeline import pipeline_plans
 from axcore.observe import MultiWriter, ProgressLog
+from axcore.platform import exit_hooks
 from axcore.platform.distributed import is_primary
 from axcore.trainer.callbacks import SAMPLE, Callback, RunEnd, default_callbacks, sample_text
 from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.evaluate import EvalTotals
+from axcore.trainer.existing_run import finished_step, refusal, remove_interrupted_pruning, run_differences
 from axcore.trainer.inputs import DataWaitMeter, gather_input_state, input_pipeline, restore_input_state
 from axcore.trainer.interrupt import InterruptGuard, RunInterrupted, abort, interrupted, resume_command
 from axcore.trainer.memory_check import check_state_memory
@@ -72,6 +74,8 @@ class TrainResult:
     eval_loss: float | None
     # Text sampled at the end ("" if disabled).
     sample: str
+    # Whether the run directory was already finished (its step at trainer.max_steps or beyond): nothing ran.
+    already_finished: bool = False
 
 
 def _run_timestamp() -> str:
@@ -214,57 +218,115 @@ class Trainer:
             print(f"Pipeline {plan.describe()}", file=self.stream)
         return compiled.step
 
-    def _lock_run_dir(self) -> RunDirectory:
-        """Creates and locks the run directory (process 0 holds the lock for the whole job)."""
+    def _lock_run_dir(self) -> tuple[RunDirectory, int | None]:
+        """Creates and locks the run directory (process 0 holds the lock for the whole job), unclaimed; with the
+        step it is already finished at (None: there is training to do; see axcore/trainer/existing_run.py).
+
+        Raises:
+            RunDirectoryError: another run holds the directory, or it holds another run (a different
+                plugin list or model's parameters); nothing is written to it.
+        """
         run_dir = RunDirectory(self.run_dir)
-        error = None
+        error, finished = None, None
         if is_primary():
             try:
-                run_dir.acquire()
-            except RunDirectoryError as e:
+                run_dir.lock()
+                finished = self._check_existing_run(run_dir)
+            except BaseException as e:
+                run_dir.abandon()
+                if not isinstance(e, RunDirectoryError):
+                    raise
                 error = e
-        if jax.process_count() > 1:  # Every process stops when process 0 could not lock.
-            ok = multihost_utils.broadcast_one_to_all(np.int32(error is None))
-            if not int(ok) and error is None:
+            if finished is not None:
+                run_dir.abandon()
+        if jax.process_count() > 1:  # Every process stops when process 0 could not lock, or finds nothing to do.
+            status = -1 if error is not None else (finished if finished is not None else -2)
+            status = int(multihost_utils.broadcast_one_to_all(np.int64(status)))
+            if status == -1 and error is None:
                 error = RunDirectoryError(f"Process 0 could not lock the run directory '{self.run_dir}'; see its log.")
+            finished = status if status >= 0 else None
         if error is not None:
             raise error
-        return run_dir
+        return run_dir, finished
+
+    def _check_existing_run(self, run_dir: RunDirectory) -> int | None:
+        """Refuses a directory holding another run; the step a finished one is at, or None (train)."""
+        if run_dir.created:
+            return None
+        refused, noted = run_differences(run_dir.path, self.experiment, self.step.op_environment)
+        if refused:
+            raise refusal(run_dir.path, refused)
+        if noted:
+            print(f"Model settings changed from the run's saved config (its parameters are the same): "
+                  f"{'; '.join(noted)}", file=self.stream)
+        return finished_step(run_dir.path, self.cfg.trainer, self.experiment.registries)
+
+    def _cleanup(self, run_dir: RunDirectory, claimed: bool, message: str) -> str | None:
+        """After a failure (process 0): an unclaimed directory is given up as it was (removed if this run
+        created it), a claimed one is marked FAILED or removed (`RunDirectory.fail`); what was done, or None."""
+        if not is_primary():
+            return None
+        if not claimed:
+            run_dir.abandon()
+            return None
+        return run_dir.fail(message, committed=self._has_checkpoint())
 
     def run(self) -> TrainResult:
         """Trains; see the module docstring.
 
-        Everything the user's input can break is checked before the run directory is
-        created: the data (files, token ids against the vocabulary as batches are read),
-        the memory estimate of the compiled step. The directory is then locked for this
-        run (a second run on it gets RunDirectoryError naming the holder). A run that
-        fails before its directory holds a committed checkpoint removes the directory
-        it created; otherwise it leaves a FAILED file with the error.
+        The run directory is locked first, before anything is compiled or written (a
+        second run on it gets RunDirectoryError naming the holder), and checked
+        (axcore/trainer/existing_run.py): a directory holding another run (a different
+        plugin list, or a model with other parameters) is refused and left as it was; a
+        finished one (at `trainer.max_steps` already) returns at once with
+        `already_finished` set, compiling nothing. Everything the user's input can break
+        is then checked before the directory is claimed (its earlier marks cleared,
+        config.yaml written): the data (files, token ids against the vocabulary as
+        batches are read), the memory estimate of the compiled step; a failure there
+        leaves an existing directory as it was and removes one this run created. After
+        the claim every failure, also a lost peer's or the watchdog's immediate exit
+        (`axcore.platform.exit_hooks`), removes the directory this run created if it
+        holds no checkpoint, and otherwise leaves a FAILED file with the error.
         """
         tcfg = self.cfg.trainer
         vocab = self.cfg.model.vocab_size if "vocab_size" in self.cfg.model.keys() else None
         if tcfg.check_memory:  # First: a batch too big for host memory is refused before any of it is built.
             check_state_memory(self.abstract_state(), self.mesh, self.cfg.input.batch_size * self.cfg.input.seq_len)
-        # This process's data shards only; read in a background thread once training starts.
-        train_pipeline = input_pipeline(self.cfg.input, Split.TRAIN, self.tokenizer, vocab, self.shard_layout)
-        train_step = self._compile_train_step()
-        run_dir = self._lock_run_dir()
+        run_dir, finished = self._lock_run_dir()
+        if finished is not None:
+            print(f"Run directory {self.run_dir} is already finished at step {finished} (trainer.max_steps "
+                  f"{tcfg.max_steps}); nothing to train. To train on, raise trainer.max_steps.", file=self.stream)
+            return TrainResult(self.run_dir, finished, None, None, "", already_finished=True)
+        claimed = [False]
+        unregister = exit_hooks.register(lambda line: self._cleanup(run_dir, claimed[0], line))
         backend = None
         # Ctrl-C in the training loop saves the step and stops (single process; see axcore/trainer/interrupt.py).
         self._interrupt = InterruptGuard(jax.process_count() == 1, on_abort=lambda: self._abort(run_dir, backend))
         try:
+            # This process's data shards only; read in a background thread once training starts.
+            train_pipeline = input_pipeline(self.cfg.input, Split.TRAIN, self.tokenizer, vocab, self.shard_layout)
+            train_step = self._compile_train_step()
+            if is_primary():
+                run_dir.claim()
+            claimed[0] = True
             self._save_config()
             backend = make_checkpoint_backend(tcfg.checkpoint, self.experiment.registries, self.run_dir / "checkpoints")
+            if is_primary():  # Before restoring: what a kill during pruning left is never restored or listed.
+                remove_interrupted_pruning(backend, lambda line: print(line, file=self.stream))
             return self._train(backend, train_step, train_pipeline)
         except KeyboardInterrupt as e:  # Marked INTERRUPTED, not FAILED; the error's line says how to resume.
+            if not claimed[0]:
+                self._cleanup(run_dir, False, "")
+                raise
             raise self._interrupted(run_dir, e) from None
         except BaseException as e:
-            if is_primary():
-                # Anything in checkpoints/ (even an unfinished save) keeps the directory, marked FAILED.
-                committed = self._has_checkpoint()
-                print(run_dir.fail(one_line(e) or type(e).__name__, committed=committed), file=self.stream)
+            # Anything in checkpoints/ (even an unfinished save) keeps the directory, marked FAILED.
+            done = self._cleanup(run_dir, claimed[0], one_line(e) or type(e).__name__)
+            if done is not None:
+                print(done, file=self.stream)
             raise
         finally:
+            unregister()
             run_dir.release()
 
     def _has_checkpoint(self) -> bool:

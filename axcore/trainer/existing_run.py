@@ -1,0 +1,192 @@
+"""An existing run directory met by `axcore train`: whose run it holds, whether it is finished, what a kill left.
+
+The trainer locks the run directory before it compiles or writes anything
+(`axcore.trainer.run_dir`), then asks three questions here, reading only:
+
+- **Is it this experiment's run?** `run_differences` compares the directory's saved
+  `config.yaml` with the experiment about to train. Two things make it another run:
+  a different plugin list (names, in order; version specifiers aside), and a model
+  whose parameters differ (tree paths, shapes or dtypes), i.e. whose checkpoints the
+  model being trained could not restore. The refusal names the differing `model.*`
+  settings. Model settings that leave the parameters as they are (rematerialization,
+  kernels, compute dtype, the changes a mesh rule makes on another machine) and
+  everything outside `model` and `plugins` (`trainer.max_steps`, logging and
+  checkpoint cadence, the learning rate, the data, a plugin's own settings) may
+  change on resume: they are listed as a note, not refused. A directory without a
+  `config.yaml` has nothing to compare.
+- **Is it finished?** `finished_step` is the step a resume would start from (the
+  latest committed step, or `trainer.checkpoint.restore_step`) when that is already
+  `trainer.max_steps` or more: nothing is left to train. Raising `max_steps` trains on.
+- **Did a kill interrupt pruning?** Pruning (`keep_last_n`) uncommits an old step
+  before deleting it; a kill in between leaves a step directory without a commit
+  marker, older than the latest committed step, which no backend lists, restores or
+  prunes again. `remove_interrupted_pruning` deletes such directories (through the
+  backend's optional `discard_incomplete(step)`); an interrupted save of a step newer
+  than the latest committed one is left alone (it is reported at restore and replaced
+  when that step is saved again).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import yaml
+
+from axcore.checkpoint import CheckpointError
+from axcore.config.serialize import from_dict, safe_load, to_dict
+from axcore.errors import AxcoreError, one_line
+from axcore.plugin.loading import PluginRequest
+from axcore.trainer.config import make_checkpoint_backend
+from axcore.trainer.run_dir import RunDirectoryError
+
+# The saved config a run directory holds (written by `Experiment.save`).
+CONFIG_FILE = "config.yaml"
+# Differing model settings named in one refusal; the rest are counted.
+_SHOWN = 6
+
+
+def run_differences(run_dir: pathlib.Path, experiment: Any, op_environment: Callable[[], Any]) -> tuple[list[str], list[str]]:
+    """`(refused, noted)`: what makes `run_dir`'s saved run another run than `experiment`'s, and what
+    merely changed in its model settings; each a list of `path: saved X vs now Y` entries.
+
+    `op_environment()`: the context the model's parameters are declared in (the train
+    step's), so both models' parameters are those of this machine's kernels.
+
+    Raises:
+        RunDirectoryError: the saved config.yaml cannot be read (naming it).
+    """
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        return [], []
+    try:
+        saved = safe_load(path.read_bytes(), str(path))
+    except (OSError, AxcoreError) as e:
+        raise RunDirectoryError(
+            f"Run directory '{run_dir}' holds a {CONFIG_FILE} that cannot be read ({one_line(e)}); it is not "
+            f"this experiment's run: set trainer.run_dir to a new directory."
+        ) from None
+    saved = saved if isinstance(saved, dict) else {}
+    refused = []
+    saved_plugins, plugins = _plugin_names(saved.get("plugins")), _plugin_names(experiment.config.plugins)
+    if saved_plugins != plugins:
+        refused.append(f"plugins: saved [{', '.join(saved_plugins)}] vs now [{', '.join(plugins)}]")
+    now = _plain(to_dict(experiment.config.model, experiment.registries))
+    changed = _flat_differences("model", _plain(saved.get("model")), now)
+    if not changed:
+        return refused, []
+    if refused or not _same_parameters(saved.get("model"), experiment, op_environment):
+        return refused + changed, []
+    return refused, changed
+
+
+def refusal(run_dir: pathlib.Path, differences: list[str]) -> RunDirectoryError:
+    """The one-line error for a run directory holding another run (`run_differences`' `refused`)."""
+    shown = "; ".join(differences[:_SHOWN]) + (f"; and {len(differences) - _SHOWN} more" if len(differences) > _SHOWN else "")
+    return RunDirectoryError(
+        f"Run directory '{run_dir}' holds another run ({shown}); nothing was written to it. To train this "
+        f"experiment, set trainer.run_dir to a new directory (with init_from={run_dir} to start from that run's "
+        f"parameters; a plugin may have its own command that prepares such a run, see 'axcore --help')."
+    )
+
+
+def finished_step(run_dir: pathlib.Path, trainer_cfg: Any, registries: Any) -> int | None:
+    """The step a resume would start from if it is already `trainer_cfg.max_steps` or more, else None.
+
+    Reads the checkpoint directory with a read-only backend (nothing saved or deleted);
+    None when resuming is off or nothing is committed.
+    """
+    checkpoint = trainer_cfg.checkpoint
+    directory = run_dir / "checkpoints"
+    if (not checkpoint.resume and checkpoint.restore_step is None) or not directory.is_dir():
+        return None
+    backend = make_checkpoint_backend(checkpoint.set(keep_last_n=None, async_save=False), registries, directory)
+    try:
+        start = checkpoint.restore_step if checkpoint.restore_step is not None else backend.latest_step()
+    finally:
+        backend.close()
+    return start if start is not None and start >= trainer_cfg.max_steps else None
+
+
+def remove_interrupted_pruning(backend: Any, report: Callable[[str], None]) -> list[int]:
+    """Deletes step directories without a commit marker older than the latest committed step; returns their steps.
+
+    Only for the run that holds the directory, before it restores. A backend without
+    `incomplete_steps()` and `discard_incomplete(step)` (both optional) is left as it is.
+    """
+    discard = getattr(backend, "discard_incomplete", None)
+    incomplete = getattr(backend, "incomplete_steps", None)
+    latest = backend.latest_step()
+    if discard is None or incomplete is None or latest is None:
+        return []
+    removed = []
+    for step in incomplete():
+        if step < latest:
+            try:
+                discard(step)
+            except (OSError, CheckpointError) as e:
+                report(f"Could not remove checkpoint step {step} (left by interrupted pruning): {one_line(e)}")
+                continue
+            removed.append(step)
+    if removed:
+        steps = ", ".join(map(str, removed))
+        report(f"Removed checkpoint step(s) {steps}: left uncommitted by pruning that a kill interrupted.")
+    return removed
+
+
+def _plugin_names(plugins: Any) -> list[str]:
+    """Plugin names of a `plugins:` list, version specifiers dropped (an unreadable entry as written)."""
+    names = []
+    for entry in plugins if isinstance(plugins, (list, tuple)) else []:
+        try:
+            names.append(PluginRequest.parse(entry).name)
+        except AxcoreError:
+            names.append(str(entry))
+    return names
+
+
+def _plain(data: Any) -> Any:
+    """`data` as YAML writes and reads it back (tuples as lists, the same scalars `config.yaml` holds)."""
+    return yaml.safe_load(yaml.safe_dump(data, sort_keys=False))
+
+
+def _flat_differences(path: str, saved: Any, now: Any) -> list[str]:
+    """`path: saved X vs now Y` for every leaf where two plain trees differ (a missing entry reads `absent`)."""
+    if isinstance(saved, dict) and isinstance(now, dict) and saved.get("type") == now.get("type"):
+        keys = list(now) + [k for k in saved if k not in now]
+        return [d for k in keys for d in _flat_differences(f"{path}.{k}", saved.get(k, _ABSENT), now.get(k, _ABSENT))]
+    if saved == now:
+        return []
+    return [f"{path}: saved {_show(saved)} vs now {_show(now)}"]
+
+
+_ABSENT = object()
+
+
+def _show(value: Any) -> str:
+    if value is _ABSENT:
+        return "absent"
+    if isinstance(value, dict):
+        return f"{{type: {value['type']}, ...}}" if "type" in value else "{...}"
+    return "null" if value is None else str(value)
+
+
+def _same_parameters(saved_model: Any, experiment: Any, op_environment: Callable[[], Any]) -> bool:
+    """Whether the saved model config declares the parameters (paths, shapes, dtypes) the experiment's model does.
+
+    A saved model config that does not build here counts as different.
+    """
+    registries = experiment.registries
+    try:
+        saved_cfg = from_dict(saved_model, registries, path="model")
+        with op_environment():
+            saved = saved_cfg.instantiate(name="model", registries=registries).abstract_parameters()
+            now = experiment.config.model.instantiate(name="model", registries=registries).abstract_parameters()
+    except (AxcoreError, TypeError, ValueError):
+        return False
+    describe = lambda tree: {  # noqa: E731
+        jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+    return describe(saved) == describe(now)
