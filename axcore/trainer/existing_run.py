@@ -36,14 +36,15 @@ import jax
 import yaml
 
 from axcore.checkpoint import CheckpointError
-from axcore.config.serialize import from_dict, safe_load, to_dict
+from axcore.config.serialize import from_dict, safe_load
 from axcore.errors import AxcoreError, one_line
-from axcore.plugin.loading import PluginRequest
 from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.run_dir import RunDirectoryError
 
 # The saved config a run directory holds (written by `Experiment.save`).
 CONFIG_FILE = "config.yaml"
+# Its marker of what resolved it, listing the plugin names (axcore.experiment.saved; a layer above this one).
+RESOLVED_KEY = "resolved_by"
 # Differing model settings named in one refusal; the rest are counted.
 _SHOWN = 6
 
@@ -69,12 +70,12 @@ def run_differences(run_dir: pathlib.Path, experiment: Any, op_environment: Call
             f"this experiment's run: set trainer.run_dir to a new directory."
         ) from None
     saved = saved if isinstance(saved, dict) else {}
+    now = _plain(experiment.resolved_dict())
     refused = []
-    saved_plugins, plugins = _plugin_names(saved.get("plugins")), _plugin_names(experiment.config.plugins)
+    saved_plugins, plugins = _plugin_names(saved), _plugin_names(now)
     if saved_plugins != plugins:
         refused.append(f"plugins: saved [{', '.join(saved_plugins)}] vs now [{', '.join(plugins)}]")
-    now = _plain(to_dict(experiment.config.model, experiment.registries))
-    changed = _flat_differences("model", _plain(saved.get("model")), now)
+    changed = _flat_differences("model", _plain(saved.get("model")), now.get("model"))
     if not changed:
         return refused, []
     if refused or not _same_parameters(saved.get("model"), experiment, op_environment):
@@ -136,15 +137,13 @@ def remove_interrupted_pruning(backend: Any, report: Callable[[str], None]) -> l
     return removed
 
 
-def _plugin_names(plugins: Any) -> list[str]:
-    """Plugin names of a `plugins:` list, version specifiers dropped (an unreadable entry as written)."""
-    names = []
-    for entry in plugins if isinstance(plugins, (list, tuple)) else []:
-        try:
-            names.append(PluginRequest.parse(entry).name)
-        except AxcoreError:
-            names.append(str(entry))
-    return names
+def _plugin_names(resolved: dict) -> list[str]:
+    """The plugin names of a resolved config: its `resolved_by` marker's (version specifiers dropped), else its
+    `plugins:` as written (a config saved without the marker)."""
+    marker = resolved.get(RESOLVED_KEY)
+    names = marker.get("plugins") if isinstance(marker, dict) else None
+    names = names if isinstance(names, list) else resolved.get("plugins")
+    return [str(name) for name in names] if isinstance(names, list) else []
 
 
 def _plain(data: Any) -> Any:

@@ -179,3 +179,71 @@ def test_only_uncommitted_steps_older_than_the_latest_are_removed(tmp_path, back
     with pytest.raises(Exception, match="is committed; not discarding it"):
         backend.discard_incomplete(2)
     backend.close()
+
+
+# `axcore train` whose data source (the embedded corpus's documents cut to one row each), when it reads its
+# document number AXCORE_TEST_LOST_AT (in the loader's background thread, as the peer watch's thread would;
+# document 40 belongs to batch 10), first waits for checkpoint step AXCORE_TEST_AFTER_STEP
+# to be committed (if set), then stops the process the way the peer watch does when another process is lost.
+LOST_PEER_SCRIPT = """
+import os, sys, time
+import axcore
+from axcore.cli import main
+from axcore.data.sources import EmbeddedCorpus
+from axcore.platform import peer_watch
+
+READS = [0]
+
+
+class LosingCorpus(EmbeddedCorpus):
+    class Config(EmbeddedCorpus.Config):
+        pass
+
+    def document(self, index):
+        READS[0] += 1
+        if READS[0] == int(os.environ["AXCORE_TEST_LOST_AT"]):
+            after = os.environ.get("AXCORE_TEST_AFTER_STEP")
+            marker = os.path.join(os.environ["AXCORE_TEST_RUN_DIR"], "checkpoints", after or "", "commit_success.txt")
+            while after and not os.path.exists(marker):
+                time.sleep(0.02)
+            peer_watch._stop("axcore: error: lost process 1 of this 2-process job (test)")
+        document = dict(super().document(index))
+        document["tokens"] = document["tokens"][:33]  # One row each: read 4 per batch, in order.
+        return document
+
+
+class LosingPlugin:
+    @axcore.hookimpl
+    def axcore_register_data_sources(self, register):
+        register("losing_corpus", LosingCorpus)
+
+
+overrides = sys.argv[1:]
+sys.exit(main(["train", "default", *[a for o in overrides for a in ("--set", o)]], objects={"losing": LosingPlugin()}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after_step", [None, 2])
+def test_a_lost_peer_cleans_up_the_run_directory(tmp_path, after_step):
+    """The peer watch ends the process with os._exit: the run directory is still cleaned up, removed when this
+    run created it and nothing is saved, else marked FAILED with the lost-peer line."""
+    script = tmp_path / "losing_train.py"
+    script.write_text(LOST_PEER_SCRIPT)
+    run_dir = tmp_path / "lost"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "AXCORE_TEST_RUN_DIR": str(run_dir),
+           "AXCORE_TEST_LOST_AT": "1" if after_step is None else "40"}
+    if after_step is not None:
+        env["AXCORE_TEST_AFTER_STEP"] = str(after_step)
+    overrides = _overrides(run_dir, 12, ["plugins=[losing]", "input.source={type: losing_corpus}",
+                                         "trainer.checkpoint.every_n_steps=2", "trainer.checkpoint.keep_last_n=null",
+                                         "input.packing=none", "input.prefetch=0", "input.read_threads=0"])
+    proc = subprocess.run([sys.executable, str(script), *overrides], capture_output=True, text=True,
+                          timeout=PROCESS_TIMEOUT, env=env)
+    assert proc.returncode == 75, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "axcore: error: lost process 1 of this 2-process job (test)"
+    if after_step is None:
+        assert not run_dir.exists()
+    else:
+        assert (run_dir / FAILED_FILE).read_text() == "lost process 1 of this 2-process job (test)\n"
+        assert OrbaxBackend(run_dir / "checkpoints").latest_step() >= after_step
