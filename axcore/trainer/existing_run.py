@@ -1,7 +1,8 @@
 """An existing run directory met by `axcore train`: whose run it holds, whether it is finished, what a kill left.
 
 The trainer locks the run directory before it compiles or writes anything
-(`axcore.trainer.run_dir`), then asks three questions here, reading only:
+(`lock_run_directory`, with `axcore.trainer.run_dir`), then asks three questions
+here, reading only:
 
 - **Is it this experiment's run?** `run_differences` compares the directory's saved
   `config.yaml` with the experiment about to train. Two things make it another run:
@@ -30,16 +31,19 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 import jax
+import numpy as np
 import yaml
+from jax.experimental import multihost_utils
 
 from axcore.checkpoint import CheckpointError
 from axcore.config.serialize import from_dict, safe_load
 from axcore.errors import AxcoreError, one_line
+from axcore.platform.distributed import is_primary
 from axcore.trainer.config import make_checkpoint_backend
-from axcore.trainer.run_dir import RunDirectoryError
+from axcore.trainer.run_dir import RunDirectory, RunDirectoryError
 
 # The saved config a run directory holds (written by `Experiment.save`).
 CONFIG_FILE = "config.yaml"
@@ -47,6 +51,60 @@ CONFIG_FILE = "config.yaml"
 RESOLVED_KEY = "resolved_by"
 # Differing model settings named in one refusal; the rest are counted.
 _SHOWN = 6
+
+
+def lock_run_directory(
+    path: pathlib.Path, experiment: Any, op_environment: Callable[[], Any], stream: TextIO
+) -> tuple[RunDirectory, int | None]:
+    """The run directory at `path`, created if needed and locked (process 0 holds the lock for the whole job),
+    not yet claimed; with the step it is already finished at (`finished_step`; None: there is training to do).
+
+    Process 0 locks and compares the saved config (`run_differences`; model settings that
+    changed without changing the parameters are noted on `stream`); every process then
+    reads the checkpoint directory alike, since a backend's constructor may be a
+    collective (orbax's is), and takes process 0's answer. A finished directory is
+    returned unlocked.
+
+    Raises:
+        RunDirectoryError: another run holds the directory, or it holds another run (a
+            different plugin list or model parameters); nothing but `.lock` is written to it.
+    """
+    run_dir = RunDirectory(path)
+    error, checkpoints = None, False
+    if is_primary():
+        try:
+            run_dir.lock()
+            if not run_dir.created:
+                refused, noted = run_differences(run_dir.path, experiment, op_environment)
+                if refused:
+                    raise refusal(run_dir.path, refused)
+                if noted:
+                    print(f"Model settings changed from the run's saved config (its parameters are the same): "
+                          f"{'; '.join(noted)}", file=stream)
+        except BaseException as e:
+            run_dir.abandon()
+            if not isinstance(e, RunDirectoryError):
+                raise
+            error = e
+        checkpoints = not run_dir.created and (run_dir.path / "checkpoints").is_dir()
+    if jax.process_count() > 1:  # Every process stops when process 0 could not lock; all read checkpoints/.
+        status = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if error is not None else checkpoints)))
+        if status == -1 and error is None:
+            error = RunDirectoryError(f"Process 0 could not lock the run directory '{path}'; see its log.")
+        checkpoints = status == 1
+    if error is not None:
+        raise error
+    try:
+        finished = finished_step(run_dir.path, experiment.config.trainer, experiment.registries) if checkpoints else None
+        if jax.process_count() > 1:  # Process 0's answer for all.
+            finished = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if finished is None else finished)))
+            finished = None if finished < 0 else finished
+    except BaseException:
+        run_dir.abandon()
+        raise
+    if finished is not None:
+        run_dir.abandon()
+    return run_dir, finished
 
 
 def run_differences(run_dir: pathlib.Path, experiment: Any, op_environment: Callable[[], Any]) -> tuple[list[str], list[str]]:

@@ -16,10 +16,10 @@ this run created it. `acquire()` is `lock()` then `claim()`.
 A run that fails before anything worth keeping exists, i.e. in a directory it
 created itself and before its first committed checkpoint, removes the directory
 (and the parent directories it created). Otherwise it leaves `<run_dir>/FAILED`
-with the error line. A run stopped by Ctrl-C
-is cleaned up the same way but marked `<run_dir>/INTERRUPTED` instead, with the line
-that says how to resume (see `axcore/trainer/interrupt.py`). The next run in that
-directory removes either mark when it starts.
+with the error line. A run stopped by Ctrl-C is cleaned up the same way but marked
+`<run_dir>/INTERRUPTED` instead, with the line that says how to resume (see
+`axcore/trainer/interrupt.py`). The next run in that directory removes either mark
+when it claims the directory.
 """
 
 from __future__ import annotations

@@ -48,11 +48,11 @@ from axcore.platform.distributed import is_primary
 from axcore.trainer.callbacks import SAMPLE, Callback, RunEnd, default_callbacks, sample_text
 from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.evaluate import EvalTotals
-from axcore.trainer.existing_run import finished_step, refusal, remove_interrupted_pruning, run_differences
+from axcore.trainer.existing_run import lock_run_directory, remove_interrupted_pruning
 from axcore.trainer.inputs import DataWaitMeter, gather_input_state, input_pipeline, restore_input_state
 from axcore.trainer.interrupt import InterruptGuard, RunInterrupted, abort, interrupted, resume_command
 from axcore.trainer.memory_check import check_state_memory
-from axcore.trainer.run_dir import RunDirectory, RunDirectoryError
+from axcore.trainer.run_dir import RunDirectory
 from axcore.trainer.step import TrainStep
 
 if TYPE_CHECKING:  # The trainer is given a loaded experiment; it never loads one.
@@ -218,49 +218,6 @@ class Trainer:
             print(f"Pipeline {plan.describe()}", file=self.stream)
         return compiled.step
 
-    def _lock_run_dir(self) -> tuple[RunDirectory, int | None]:
-        """Creates and locks the run directory (process 0 holds the lock for the whole job), unclaimed; with the
-        step it is already finished at (None: there is training to do; see axcore/trainer/existing_run.py).
-
-        Raises:
-            RunDirectoryError: another run holds the directory, or it holds another run (a different
-                plugin list or model's parameters); nothing is written to it.
-        """
-        run_dir = RunDirectory(self.run_dir)
-        error, finished = None, None
-        if is_primary():
-            try:
-                run_dir.lock()
-                finished = self._check_existing_run(run_dir)
-            except BaseException as e:
-                run_dir.abandon()
-                if not isinstance(e, RunDirectoryError):
-                    raise
-                error = e
-            if finished is not None:
-                run_dir.abandon()
-        if jax.process_count() > 1:  # Every process stops when process 0 could not lock, or finds nothing to do.
-            status = -1 if error is not None else (finished if finished is not None else -2)
-            status = int(multihost_utils.broadcast_one_to_all(np.int64(status)))
-            if status == -1 and error is None:
-                error = RunDirectoryError(f"Process 0 could not lock the run directory '{self.run_dir}'; see its log.")
-            finished = status if status >= 0 else None
-        if error is not None:
-            raise error
-        return run_dir, finished
-
-    def _check_existing_run(self, run_dir: RunDirectory) -> int | None:
-        """Refuses a directory holding another run; the step a finished one is at, or None (train)."""
-        if run_dir.created:
-            return None
-        refused, noted = run_differences(run_dir.path, self.experiment, self.step.op_environment)
-        if refused:
-            raise refusal(run_dir.path, refused)
-        if noted:
-            print(f"Model settings changed from the run's saved config (its parameters are the same): "
-                  f"{'; '.join(noted)}", file=self.stream)
-        return finished_step(run_dir.path, self.cfg.trainer, self.experiment.registries)
-
     def _cleanup(self, run_dir: RunDirectory, claimed: bool, message: str) -> str | None:
         """After a failure (process 0): an unclaimed directory is given up as it was (removed if this run
         created it), a claimed one is marked FAILED or removed (`RunDirectory.fail`); what was done, or None."""
@@ -292,7 +249,7 @@ class Trainer:
         vocab = self.cfg.model.vocab_size if "vocab_size" in self.cfg.model.keys() else None
         if tcfg.check_memory:  # First: a batch too big for host memory is refused before any of it is built.
             check_state_memory(self.abstract_state(), self.mesh, self.cfg.input.batch_size * self.cfg.input.seq_len)
-        run_dir, finished = self._lock_run_dir()
+        run_dir, finished = lock_run_directory(self.run_dir, self.experiment, self.step.op_environment, self.stream)
         if finished is not None:
             print(f"Run directory {self.run_dir} is already finished at step {finished} (trainer.max_steps "
                   f"{tcfg.max_steps}); nothing to train. To train on, raise trainer.max_steps.", file=self.stream)
