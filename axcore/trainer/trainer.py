@@ -218,15 +218,16 @@ class Trainer:
             print(f"Pipeline {plan.describe()}", file=self.stream)
         return compiled.step
 
-    def _cleanup(self, run_dir: RunDirectory, claimed: bool, message: str) -> str | None:
+    def _cleanup(self, run_dir: RunDirectory, claimed: bool, message: str, keep: bool = False) -> str | None:
         """After a failure (process 0): an unclaimed directory is given up as it was (removed if this run
-        created it), a claimed one is marked FAILED or removed (`RunDirectory.fail`); what was done, or None."""
+        created it); a claimed one is marked FAILED, or removed if this run created it and it holds no
+        checkpoint and not `keep` (`RunDirectory.fail`). Returns what was done, or None."""
         if not is_primary():
             return None
         if not claimed:
             run_dir.abandon()
             return None
-        return run_dir.fail(message, committed=self._has_checkpoint())
+        return run_dir.fail(message, committed=keep or self._has_checkpoint())
 
     def run(self) -> TrainResult:
         """Trains; see the module docstring.
@@ -241,9 +242,11 @@ class Trainer:
         config.yaml written): the data (files, token ids against the vocabulary as
         batches are read), the memory estimate of the compiled step; a failure there
         leaves an existing directory as it was and removes one this run created. After
-        the claim every failure, also a lost peer's or the watchdog's immediate exit
-        (`axcore.platform.exit_hooks`), removes the directory this run created if it
-        holds no checkpoint, and otherwise leaves a FAILED file with the error.
+        the claim every failure removes the directory this run created if it holds no
+        checkpoint, and otherwise leaves a FAILED file with the error; an immediate exit
+        (a lost peer's, the watchdog's: `axcore.platform.exit_hooks`) always leaves
+        FAILED with its line and keeps the directory, whose logs (the watchdog's stacks)
+        explain it.
         """
         tcfg = self.cfg.trainer
         vocab = self.cfg.model.vocab_size if "vocab_size" in self.cfg.model.keys() else None
@@ -255,7 +258,7 @@ class Trainer:
                   f"{tcfg.max_steps}); nothing to train. To train on, raise trainer.max_steps.", file=self.stream)
             return TrainResult(self.run_dir, finished, None, None, "", already_finished=True)
         claimed = [False]
-        unregister = exit_hooks.register(lambda line: self._cleanup(run_dir, claimed[0], line))
+        unregister = exit_hooks.register(lambda line: self._cleanup(run_dir, claimed[0], line, keep=True))
         backend = None
         # Ctrl-C in the training loop saves the step and stops (single process; see axcore/trainer/interrupt.py).
         self._interrupt = InterruptGuard(jax.process_count() == 1, on_abort=lambda: self._abort(run_dir, backend))

@@ -226,8 +226,8 @@ sys.exit(main(["train", "default", *[a for o in overrides for a in ("--set", o)]
 @pytest.mark.slow
 @pytest.mark.parametrize("after_step", [None, 2])
 def test_a_lost_peer_cleans_up_the_run_directory(tmp_path, after_step):
-    """The peer watch ends the process with os._exit: the run directory is still cleaned up, removed when this
-    run created it and nothing is saved, else marked FAILED with the lost-peer line."""
+    """The peer watch ends the process with os._exit: the run directory is still marked FAILED with the
+    lost-peer line, before the first checkpoint as after it."""
     script = tmp_path / "losing_train.py"
     script.write_text(LOST_PEER_SCRIPT)
     run_dir = tmp_path / "lost"
@@ -242,8 +242,6 @@ def test_a_lost_peer_cleans_up_the_run_directory(tmp_path, after_step):
                           timeout=PROCESS_TIMEOUT, env=env)
     assert proc.returncode == 75, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "axcore: error: lost process 1 of this 2-process job (test)"
-    if after_step is None:
-        assert not run_dir.exists()
-    else:
-        assert (run_dir / FAILED_FILE).read_text() == "lost process 1 of this 2-process job (test)\n"
-        assert OrbaxBackend(run_dir / "checkpoints").latest_step() >= after_step
+    assert (run_dir / FAILED_FILE).read_text() == "lost process 1 of this 2-process job (test)\n"
+    latest = OrbaxBackend(run_dir / "checkpoints").latest_step() if (run_dir / "checkpoints").is_dir() else None
+    assert latest is None if after_step is None else latest >= after_step
