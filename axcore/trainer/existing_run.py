@@ -10,14 +10,18 @@ here, reading only:
   whose parameters differ (tree paths, shapes or dtypes), i.e. whose checkpoints the
   model being trained could not restore. The refusal names the differing `model.*`
   settings. Model settings that leave the parameters as they are (rematerialization,
-  kernels, compute dtype, the changes a mesh rule makes on another machine) and
-  everything outside `model` and `plugins` (`trainer.max_steps`, logging and
-  checkpoint cadence, the learning rate, the data, a plugin's own settings) may
-  change on resume: they are listed as a note, not refused. A directory without a
-  `config.yaml` has nothing to compare.
+  kernels, compute dtype, the changes a mesh rule makes on another machine) may
+  change on resume and are listed in a note; everything outside `model` and
+  `plugins` (`trainer.max_steps`, logging and checkpoint cadence, the learning rate,
+  the data, a plugin's own settings) may change silently, as before. A directory
+  without a `config.yaml` has nothing to compare. Known limit: a plugin setting that
+  changes the parameters without changing `model.*` is not seen here; restoring
+  then fails with the checkpoint's own mismatch error.
 - **Is it finished?** `finished_step` is the step a resume would start from (the
   latest committed step, or `trainer.checkpoint.restore_step`) when that is already
-  `trainer.max_steps` or more: nothing is left to train. Raising `max_steps` trains on.
+  `trainer.max_steps` or more and restores (verified): nothing is left to train.
+  Raising `max_steps` trains on; a damaged last step is left to the trainer's restore,
+  which sets it aside and trains it again.
 - **Did a kill interrupt pruning?** Pruning (`keep_last_n`) uncommits an old step
   before deleting it; a kill in between leaves a step directory without a commit
   marker, older than the latest committed step, which no backend lists, restores or
@@ -53,17 +57,16 @@ RESOLVED_KEY = "resolved_by"
 _SHOWN = 6
 
 
-def lock_run_directory(
-    path: pathlib.Path, experiment: Any, op_environment: Callable[[], Any], stream: TextIO
-) -> tuple[RunDirectory, int | None]:
+def lock_run_directory(path: pathlib.Path, experiment: Any, step: Any, stream: TextIO) -> tuple[RunDirectory, int | None]:
     """The run directory at `path`, created if needed and locked (process 0 holds the lock for the whole job),
     not yet claimed; with the step it is already finished at (`finished_step`; None: there is training to do).
 
-    Process 0 locks and compares the saved config (`run_differences`; model settings that
-    changed without changing the parameters are noted on `stream`); every process then
-    reads the checkpoint directory alike, since a backend's constructor may be a
-    collective (orbax's is), and takes process 0's answer. A finished directory is
-    returned unlocked.
+    `step`: the run's `TrainStep` (its `op_environment()` and `abstract_state()`). Process
+    0 locks and compares the saved config (`run_differences`; model settings that changed
+    without changing the parameters are noted on `stream`); every process then reads the
+    checkpoint directory alike (`finished_step`), since a backend's constructor and
+    restore may be collectives (orbax's are); the run is finished only where every
+    process found it so. A finished directory is returned unlocked.
 
     Raises:
         RunDirectoryError: another run holds the directory, or it holds another run (a
@@ -75,7 +78,7 @@ def lock_run_directory(
         try:
             run_dir.lock()
             if not run_dir.created:
-                refused, noted = run_differences(run_dir.path, experiment, op_environment)
+                refused, noted = run_differences(run_dir.path, experiment, step.op_environment)
                 if refused:
                     raise refusal(run_dir.path, refused)
                 if noted:
@@ -95,10 +98,13 @@ def lock_run_directory(
     if error is not None:
         raise error
     try:
-        finished = finished_step(run_dir.path, experiment.config.trainer, experiment.registries) if checkpoints else None
-        if jax.process_count() > 1:  # Process 0's answer for all.
-            finished = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if finished is None else finished)))
-            finished = None if finished < 0 else finished
+        finished = None
+        if checkpoints:
+            finished = finished_step(run_dir.path, experiment.config.trainer, experiment.registries,
+                                     step.abstract_state())
+        if jax.process_count() > 1:  # Finished only where every process restored the same step.
+            answers = np.asarray(multihost_utils.process_allgather(np.int32(-1 if finished is None else finished)))
+            finished = int(answers[0]) if answers.min() >= 0 and answers.min() == answers.max() else None
     except BaseException:
         run_dir.abandon()
         raise
@@ -151,11 +157,15 @@ def refusal(run_dir: pathlib.Path, differences: list[str]) -> RunDirectoryError:
     )
 
 
-def finished_step(run_dir: pathlib.Path, trainer_cfg: Any, registries: Any) -> int | None:
-    """The step a resume would start from if it is already `trainer_cfg.max_steps` or more, else None.
+def finished_step(run_dir: pathlib.Path, trainer_cfg: Any, registries: Any, abstract_state: Any) -> int | None:
+    """The step a resume would start from if it is already `trainer_cfg.max_steps` or more and restores, else None.
 
-    Reads the checkpoint directory with a read-only backend (nothing saved or deleted);
-    None when resuming is off or nothing is committed.
+    Reads the checkpoint directory with a read-only backend (nothing saved, moved or
+    deleted). That step counts only if it restores into `abstract_state` (the train
+    state's ShapeDtypeStructs with their shardings) and verifies: a damaged one is left
+    to the trainer's own restore, which falls back past it and trains again. None when
+    resuming is off or nothing is committed. With several processes every process calls
+    it (a backend's constructor and restore may be collectives).
     """
     checkpoint = trainer_cfg.checkpoint
     directory = run_dir / "checkpoints"
@@ -164,9 +174,16 @@ def finished_step(run_dir: pathlib.Path, trainer_cfg: Any, registries: Any) -> i
     backend = make_checkpoint_backend(checkpoint.set(keep_last_n=None, async_save=False), registries, directory)
     try:
         start = checkpoint.restore_step if checkpoint.restore_step is not None else backend.latest_step()
+        if start is None or start < trainer_cfg.max_steps:
+            return None
+        try:
+            state, _ = backend.restore(abstract_state, start)
+        except CheckpointError:
+            return None
+        jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, state)  # Only checked: freed now.
+        return start
     finally:
         backend.close()
-    return start if start is not None and start >= trainer_cfg.max_steps else None
 
 
 def remove_interrupted_pruning(backend: Any, report: Callable[[str], None]) -> list[int]:

@@ -252,7 +252,7 @@ class Trainer:
         vocab = self.cfg.model.vocab_size if "vocab_size" in self.cfg.model.keys() else None
         if tcfg.check_memory:  # First: a batch too big for host memory is refused before any of it is built.
             check_state_memory(self.abstract_state(), self.mesh, self.cfg.input.batch_size * self.cfg.input.seq_len)
-        run_dir, finished = lock_run_directory(self.run_dir, self.experiment, self.step.op_environment, self.stream)
+        run_dir, finished = lock_run_directory(self.run_dir, self.experiment, self.step, self.stream)
         if finished is not None:
             print(f"Run directory {self.run_dir} is already finished at step {finished} (trainer.max_steps "
                   f"{tcfg.max_steps}); nothing to train. To train on, raise trainer.max_steps.", file=self.stream)
