@@ -120,7 +120,15 @@ def test_training_resumes_from_parameters_only_like_a_fresh_run(tmp_path, capsys
 
 def test_parameters_only_checkpoint_of_another_model_is_one_line(tmp_path, capsys):
     run, _ = _params_only_run(tmp_path, "imported")
+    saved = (run / "config.yaml").read_bytes()
     assert main(["train", str(run / "config.yaml"), *_sets(["model.dim=48"])]) == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]  # The saved config says so before anything runs.
+    assert message.startswith(f"axcore: error: Run directory '{run}' holds another run (model.dim: saved 32 vs now 48")
+    assert (run / "config.yaml").read_bytes() == saved
+    # Without a saved config to compare with, restoring finds it: the parameters' error.
+    config = tmp_path / "config.yaml"
+    (run / "config.yaml").rename(config)
+    assert main(["train", str(config), *_sets([f"trainer.run_dir={run}", "model.dim=48"])]) == 2
     err = capsys.readouterr().err
     message = err.strip().splitlines()[-1]
     assert "Traceback" not in err and message.startswith("axcore: error: ")

@@ -13,11 +13,15 @@ With several processes every process calls `move_aside` for the same step (each 
 the same `restore_verified`): process 0 picks the name and broadcasts it, renames,
 and a barrier holds every process until the rename is done, so no process lists the
 directory while it changes and all of them then see the same steps.
+
+`discard` is the other way out, for a step directory that has no commit marker and
+never will (what a kill leaves when it interrupts pruning): deleted outright.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import jax
@@ -57,6 +61,21 @@ def move_aside(directory: str, name: str) -> str:
     if error is not None:
         raise CheckpointError(f"Cannot move {source} aside to {target}: {error}.", reason=f"cannot rename it: {error}")
     return target
+
+
+def discard(directory: str, name: str) -> None:
+    """Deletes the uncommitted step directory `directory/name` (the caller checked it has no commit marker).
+
+    Raises:
+        CheckpointError: it could not be deleted (naming it and why).
+    """
+    path = os.path.join(directory, name)
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise CheckpointError(f"Cannot delete {path}: {e.strerror or e}.", reason=f"cannot delete it: {e}") from None
 
 
 def _free_name(directory: str, name: str) -> str:

@@ -60,7 +60,10 @@ class CheckpointBackend(Protocol):
     committed step that failed verification to a name that is no step, within the
     directory, so it is no longer listed, restored or pruned and can be saved again;
     returns the new path; with several processes every process calls it; raises
-    CheckpointError if it cannot).
+    CheckpointError if it cannot). Optional, used by the trainer when it starts:
+    `discard_incomplete(step)` (deletes a step directory without a commit marker, such
+    as an old step whose pruning a kill interrupted; raises CheckpointError for a
+    committed step or when it cannot).
     """
 
     def save(self, step: int, state: PyTree, metadata: dict) -> None:

@@ -156,6 +156,16 @@ class OrbaxBackend:
             return []
         return sorted(int(n) for n in names if n.isdigit() and not self._is_committed(int(n)))
 
+    def discard_incomplete(self, step: int) -> None:
+        """Deletes `step`'s directory, which has no commit marker (e.g. left by pruning a kill interrupted).
+
+        Raises:
+            CheckpointError: the step is committed (nothing is deleted), or the directory cannot be deleted.
+        """
+        if self._is_committed(step):
+            raise CheckpointError(f"Checkpoint step {step} in {self.directory} is committed; not discarding it.")
+        _aside.discard(self.directory, str(step))
+
     def _is_committed(self, step: int) -> bool:
         return os.path.exists(os.path.join(self.directory, str(step), ocp_atomicity.COMMIT_SUCCESS_FILE))
 

@@ -233,6 +233,16 @@ class TensorStoreBackend:
         matches = [_STEP_DIR.fullmatch(n) for n in names if not os.path.exists(os.path.join(self.directory, n, COMMIT_MARKER))]
         return sorted(int(m.group(1)) for m in matches if m)
 
+    def discard_incomplete(self, step: int) -> None:
+        """Deletes `step`'s directory, which has no commit marker (e.g. left by pruning a kill interrupted).
+
+        Raises:
+            CheckpointError: the step is committed (nothing is deleted), or the directory cannot be deleted.
+        """
+        if os.path.exists(os.path.join(self.directory, step_dir_name(step), COMMIT_MARKER)):
+            raise CheckpointError(f"Checkpoint step {step} in {self.directory} is committed; not discarding it.")
+        _aside.discard(self.directory, step_dir_name(step))
+
     def set_aside(self, step: int) -> str:
         """Renames committed `step` out of the way (see `_aside.move_aside`); returns its new path.
 

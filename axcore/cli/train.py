@@ -1,5 +1,6 @@
 """`axcore train [EXPERIMENT] [--set PATH=VALUE ...]`: load the experiment (XLA flags set and the job joined
-first), then run the trainer.
+first), then run the trainer. A run directory already finished (at `trainer.max_steps`) exits 0 after the
+trainer's one line saying so.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def run(args) -> int:
     if os.environ.get(experiment.flags_variable):
         print(f"{experiment.flags_variable}: {os.environ[experiment.flags_variable]}", file=sys.stderr)
     result = Trainer(experiment, command=train_command(args)).run()
+    if result.already_finished:  # The trainer said so; nothing was compiled, trained or sampled.
+        return 0
     eval_text = f", held-out loss {result.eval_loss:.3f}" if result.eval_loss is not None else ""
     print(f"Finished step {result.step}{eval_text}; run directory: {result.run_dir}", file=sys.stderr)
     return 0

@@ -61,6 +61,8 @@ import sys
 import threading
 import time
 
+from axcore.platform import exit_hooks
+
 logger = logging.getLogger(__name__)
 
 # Exit status of a process stopped because a peer was lost (EX_TEMPFAIL: retrying may work).
@@ -92,10 +94,12 @@ def _message(lost: int, num_processes: int, me: int, how: str) -> str:
 
 
 def _stop(text: str) -> None:
-    """Prints `text` on stderr and ends the process at once (other threads may be stuck in a collective)."""
+    """Prints `text` on stderr, runs `exit_hooks` (the run directory's clean-up) and ends the process at once
+    (other threads may be stuck in a collective)."""
     try:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
+        exit_hooks.run_all(text.removeprefix("axcore: error: "))
     finally:
         os._exit(PEER_LOST_EXIT)
 

@@ -7,12 +7,19 @@ second run gets. On filesystems without `flock` (some network filesystems answer
 ENOLCK or EOPNOTSUPP) the file is created exclusively instead, and a holder on this
 host whose pid is gone is taken over as stale.
 
+The lock is taken in two steps, so that a run refused after locking writes nothing:
+`lock()` creates (if needed) and locks the directory, touching nothing but `.lock`;
+`claim()` then makes it this run's (clears the marks below). `abandon()` gives up a
+locked, unclaimed directory: unlocked, and removed (with the parents it created) if
+this run created it. `acquire()` is `lock()` then `claim()`.
+
 A run that fails before anything worth keeping exists, i.e. in a directory it
-created itself and before its first committed checkpoint, removes the directory.
-Otherwise it leaves `<run_dir>/FAILED` with the error line. A run stopped by Ctrl-C
-is cleaned up the same way but marked `<run_dir>/INTERRUPTED` instead, with the line
-that says how to resume (see `axcore/trainer/interrupt.py`). The next run in that
-directory removes either mark when it starts.
+created itself and before its first committed checkpoint, removes the directory
+(and the parent directories it created). Otherwise it leaves `<run_dir>/FAILED`
+with the error line. A run stopped by Ctrl-C is cleaned up the same way but marked
+`<run_dir>/INTERRUPTED` instead, with the line that says how to resume (see
+`axcore/trainer/interrupt.py`). The next run in that directory removes either mark
+when it claims the directory.
 """
 
 from __future__ import annotations
@@ -59,27 +66,51 @@ def _pid_alive(pid: int) -> bool:
 class RunDirectory:
     """An exclusively held run directory.
 
-    `acquire()` creates the directory (and its parents) if needed and takes the
-    lock; `created` tells whether this run created the directory. `release()`
-    unlocks; `fail(message, committed)` cleans up after a failure and
-    `interrupt(message, committed)` after Ctrl-C (module docstring).
+    `lock()` creates the directory (and its parents) if needed and takes the lock;
+    `created` tells whether this run created the directory. `claim()` clears an
+    earlier run's marks, `abandon()` gives the directory up unclaimed, `acquire()`
+    does `lock()` and `claim()`. `release()` unlocks; `fail(message, committed)`
+    cleans up after a failure and `interrupt(message, committed)` after Ctrl-C
+    (module docstring).
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = pathlib.Path(path)
-        # Whether acquire() created the directory (nothing of an earlier run is in it).
+        # Whether lock() created the directory (nothing of an earlier run is in it).
         self.created = False
+        # The outermost directory lock() created (self.path or a parent of it), removed with it.
+        self._created_root: pathlib.Path | None = None
         self._fd: int | None = None
         self._exclusive_file = False
 
     def acquire(self) -> None:
-        """Creates and locks the directory.
+        """Creates, locks and claims the directory (`lock()`, then `claim()`).
+
+        Raises:
+            RunDirectoryError: as `lock()`.
+        """
+        self.lock()
+        self.claim()
+
+    def claim(self) -> None:
+        """Makes the locked directory this run's: removes an earlier run's FAILED and INTERRUPTED marks."""
+        self._clear_marks()
+
+    def abandon(self) -> None:
+        """Gives up the locked, unclaimed directory: unlocks it, and removes it if this run created it."""
+        self.release()
+        if self.created:
+            self._remove()
+
+    def lock(self) -> None:
+        """Creates (with its parents) and locks the directory; writes nothing but the lock file.
 
         Raises:
             RunDirectoryError: another live process holds it (naming the holder), or
                 it cannot be created (naming the path and the reason).
         """
         self.created = not self.path.exists()
+        self._created_root = next((p for p in reversed((self.path, *self.path.parents)) if not p.exists()), None)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -105,7 +136,6 @@ class RunDirectory:
         self._fd = fd
         os.ftruncate(fd, 0)
         os.write(fd, self._holder_record())
-        self._clear_marks()
 
     def _clear_marks(self) -> None:
         for mark in (FAILED_FILE, INTERRUPTED_FILE):
@@ -140,7 +170,6 @@ class RunDirectory:
             os.write(fd, self._holder_record())
             os.close(fd)
             self._exclusive_file = True
-            self._clear_marks()
             return
         raise self._held_error(lock)
 
@@ -173,7 +202,7 @@ class RunDirectory:
         """Removes a directory this run created if nothing is committed, else writes `mark`; releases the lock."""
         if self.created and not committed:
             self.release()
-            shutil.rmtree(self.path, ignore_errors=True)
+            self._remove()
             return False
         try:
             (self.path / mark).write_text(message.rstrip() + "\n", "utf-8")
@@ -181,3 +210,16 @@ class RunDirectory:
             pass
         self.release()
         return True
+
+    def _remove(self) -> None:
+        """Removes the directory this run created, and the parents it created that are now empty."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._created_root is None or self._created_root == self.path:
+            return
+        for parent in self.path.parents:
+            try:
+                parent.rmdir()  # Only if empty: another run may have put something there meanwhile.
+            except OSError:
+                return
+            if parent == self._created_root:
+                return

@@ -52,14 +52,16 @@ from axcore.data.device_loader import DeviceLoader
 from axcore.errors import AxcoreError, one_line
 from axcore.layers.pipeline import pipeline_plans
 from axcore.observe import MultiWriter, ProgressLog
+from axcore.platform import exit_hooks
 from axcore.platform.distributed import is_primary
 from axcore.trainer.callbacks import SAMPLE, Callback, RunEnd, default_callbacks, run_stopped, sample_text
 from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.evaluate import EvalProgress, EvalTotals, check_evaluable, describe, eval_metrics, evaluate_input
+from axcore.trainer.existing_run import lock_run_directory, remove_interrupted_pruning
 from axcore.trainer.inputs import DataWaitMeter, gather_input_state, input_pipeline, restore_input_state
 from axcore.trainer.interrupt import InterruptGuard, RunInterrupted, abort, interrupted, resume_command
 from axcore.trainer.memory_check import check_state_memory
-from axcore.trainer.run_dir import RunDirectory, RunDirectoryError
+from axcore.trainer.run_dir import RunDirectory
 from axcore.trainer.step import TrainStep
 
 if TYPE_CHECKING:  # The trainer is given a loaded experiment; it never loads one.
@@ -81,6 +83,8 @@ class TrainResult:
     eval_loss: float | None
     # Text sampled at the end ("" if disabled).
     sample: str
+    # Whether the run directory was already finished (its step at trainer.max_steps or beyond): nothing ran.
+    already_finished: bool = False
 
 
 def _run_timestamp() -> str:
@@ -229,62 +233,80 @@ class Trainer:
             print(f"Pipeline {plan.describe()}", file=self.stream)
         return compiled.step
 
-    def _lock_run_dir(self) -> RunDirectory:
-        """Creates and locks the run directory (process 0 holds the lock for the whole job)."""
-        run_dir = RunDirectory(self.run_dir)
-        error = None
-        if is_primary():
-            try:
-                run_dir.acquire()
-            except RunDirectoryError as e:
-                error = e
-        if jax.process_count() > 1:  # Every process stops when process 0 could not lock.
-            ok = multihost_utils.broadcast_one_to_all(np.int32(error is None))
-            if not int(ok) and error is None:
-                error = RunDirectoryError(f"Process 0 could not lock the run directory '{self.run_dir}'; see its log.")
-        if error is not None:
-            raise error
-        return run_dir
+    def _cleanup(self, run_dir: RunDirectory, claimed: bool, message: str, keep: bool = False) -> str | None:
+        """After a failure (process 0): an unclaimed directory is given up as it was (removed if this run
+        created it); a claimed one is marked FAILED, or removed if this run created it and it holds no
+        checkpoint and not `keep` (`RunDirectory.fail`). Returns what was done, or None."""
+        if not is_primary():
+            return None
+        if not claimed:
+            run_dir.abandon()
+            return None
+        return run_dir.fail(message, committed=keep or self._has_checkpoint())
 
     def run(self) -> TrainResult:
         """Trains; see the module docstring.
 
-        Everything the user's input can break is checked before the run directory is
-        created: the data (files, token ids against the vocabulary as batches are read),
-        the memory estimate of the compiled step, an eval split with nothing held out
-        (`check_evaluable`). The directory is then locked for this
-        run (a second run on it gets RunDirectoryError naming the holder). A run that
-        fails before its directory holds a committed checkpoint removes the directory
-        it created; otherwise it leaves a FAILED file with the error. An evaluation that
-        fails saves its step first, so what was trained is kept.
+        The run directory is locked first, before anything is compiled or written (a
+        second run on it gets RunDirectoryError naming the holder), and checked
+        (axcore/trainer/existing_run.py): a directory holding another run (a different
+        plugin list, or a model with other parameters) is refused and left as it was; a
+        finished one (at `trainer.max_steps` already) returns at once with
+        `already_finished` set, compiling nothing. Everything the user's input can break
+        is then checked before the directory is claimed (its earlier marks cleared,
+        config.yaml written): the data (files, token ids against the vocabulary as
+        batches are read), the memory estimate of the compiled step, an eval split with
+        nothing held out (`check_evaluable`, before the lock); a failure there leaves an
+        existing directory as it was and removes one this run created. After
+        the claim every failure removes the directory this run created if it holds no
+        checkpoint, and otherwise leaves a FAILED file with the error; an immediate exit
+        (a lost peer's, the watchdog's: `axcore.platform.exit_hooks`) always leaves
+        FAILED with its line and keeps the directory, whose logs (the watchdog's stacks)
+        explain it. An evaluation that fails saves its step first, so what was trained
+        is kept.
         """
         tcfg = self.cfg.trainer
         vocab = self.cfg.model.vocab_size if "vocab_size" in self.cfg.model.keys() else None
         check_evaluable(self.cfg, self.tokenizer)  # An eval split with no document is refused before training.
         if tcfg.check_memory:  # First: a batch too big for host memory is refused before any of it is built.
             check_state_memory(self.abstract_state(), self.mesh, self.cfg.input.batch_size * self.cfg.input.seq_len)
-        # This process's data shards only; read in a background thread once training starts.
-        train_pipeline = input_pipeline(self.cfg.input, Split.TRAIN, self.tokenizer, vocab, self.shard_layout)
-        train_step = self._compile_train_step()
-        run_dir = self._lock_run_dir()
+        run_dir, finished = lock_run_directory(self.run_dir, self.experiment, self.step, self.stream)
+        if finished is not None:
+            print(f"Run directory {self.run_dir} is already finished at step {finished} (trainer.max_steps "
+                  f"{tcfg.max_steps}); nothing to train. To train on, raise trainer.max_steps.", file=self.stream)
+            return TrainResult(self.run_dir, finished, None, None, "", already_finished=True)
+        claimed = [False]
+        unregister = exit_hooks.register(lambda line: self._cleanup(run_dir, claimed[0], line, keep=True))
         backend = None
         # Ctrl-C in the training loop saves the step and stops (single process; see axcore/trainer/interrupt.py).
         self._interrupt = InterruptGuard(jax.process_count() == 1, on_abort=lambda: self._abort(run_dir, backend))
         try:
+            # This process's data shards only; read in a background thread once training starts.
+            train_pipeline = input_pipeline(self.cfg.input, Split.TRAIN, self.tokenizer, vocab, self.shard_layout)
+            train_step = self._compile_train_step()
+            if is_primary():
+                run_dir.claim()
+            claimed[0] = True
             self._save_config()
             backend = make_checkpoint_backend(tcfg.checkpoint, self.experiment.registries, self.run_dir / "checkpoints")
+            if is_primary():  # Before restoring: what a kill during pruning left is never restored or listed.
+                remove_interrupted_pruning(backend, lambda line: print(line, file=self.stream))
             # Orbax's own reports of a failed save go to this file; the console gets the error's one line.
             with save_reports_to(checkpoint_log_file(self.run_dir, jax.process_index(), jax.process_count())):
                 return self._train(backend, train_step, train_pipeline)
         except KeyboardInterrupt as e:  # Marked INTERRUPTED, not FAILED; the error's line says how to resume.
+            if not claimed[0]:
+                self._cleanup(run_dir, False, "")
+                raise
             raise self._interrupted(run_dir, e) from None
         except BaseException as e:
-            if is_primary():
-                # Anything in checkpoints/ (even an unfinished save) keeps the directory, marked FAILED.
-                committed = self._has_checkpoint()
-                print(run_dir.fail(one_line(e) or type(e).__name__, committed=committed), file=self.stream)
+            # Anything in checkpoints/ (even an unfinished save) keeps the directory, marked FAILED.
+            done = self._cleanup(run_dir, claimed[0], one_line(e) or type(e).__name__)
+            if done is not None:
+                print(done, file=self.stream)
             raise
         finally:
+            unregister()
             run_dir.release()
 
     def _has_checkpoint(self) -> bool:

@@ -47,6 +47,7 @@ import traceback
 from typing import TextIO
 
 from axcore.errors import ConfigError
+from axcore.platform import exit_hooks
 
 # Exit status of a process the watchdog ends (the faulthandler backstop exits with 1).
 EXIT_HANG = 124
@@ -195,10 +196,12 @@ class Watchdog:
                       f"{self.step_timeout_s:g} s); all thread stacks written to {self.log_path}; {then}.")
 
     def _exit(self, step: int | None, activity: str, elapsed: float) -> None:
-        self._message(f"still no progress after {elapsed:.1f} s ({activity}, last step {step}); "
-                      f"exiting with status {EXIT_HANG} so that the job is restarted.")
+        text = (f"still no progress after {elapsed:.1f} s ({activity}, last step {step}); "
+                f"exiting with status {EXIT_HANG} so that the job is restarted.")
+        self._message(text)
         self._file.write(f"=== axcore watchdog: exited with status {EXIT_HANG} after {elapsed:.1f} s ===\n")
         self._file.flush()
+        exit_hooks.run_all(f"watchdog: {text} (stacks in {self.log_path})")  # The run directory's clean-up.
         os._exit(EXIT_HANG)
 
     def _message(self, text: str) -> None:

@@ -237,3 +237,6 @@ def test_training_with_a_hanging_data_source_logs_stacks_and_exits(tmp_path):
     assert "in data_source_hangs_forever" in log and "in document" in log and "in run" in log, log
     exited = re.search(r"exited with status 124 after (\d+\.\d) s", log)
     assert exited and 3.0 <= float(exited[1]) < 10, log
+    # The immediate exit still marks the run (axcore.platform.exit_hooks), keeping its stacks.
+    failed = (run / "FAILED").read_text()
+    assert failed.startswith("watchdog: still no progress after ") and f"(stacks in {run / 'watchdog.log'})" in failed
