@@ -38,7 +38,7 @@ import yaml
 from axcore.config import ConfigBase, dump_flat, from_dict, parse_override, raise_collected
 from axcore.config.serialize import flatten, format_value, nest_path, to_dict
 from axcore.data.schema import BATCH_SCHEMA
-from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
+from axcore.errors import ConfigError, UnknownComponentError, UnknownFieldError, did_you_mean
 from axcore.experiment.files import (
     SearchResult,
     builtin_experiments,
@@ -69,6 +69,7 @@ from axcore.platform.mesh import instance_platform
 from axcore.platform.xla_flags import (
     apply_runtime_environment,
     apply_xla_flags,
+    check_xla_flags,
     format_xla_flags,
     resolve_xla_flags,
 )
@@ -218,10 +219,11 @@ def load_experiment(
        of all three is reported in one error.
     8. `_transform_config`: size checks, then the plugins' config transforms in
        `plugins:` order (not for a resolved config).
-    9. `_apply_flags_and_join_job`: with the instance type known, resolve and set XLA
-       flags and the plugins' runtime environment (`axcore_runtime_environment`), then
-       join the job (flags first: the peer watch started after joining starts the
-       backend, which reads the flags and the environment only when it starts).
+    9. `_apply_flags_and_join_job`: with the instance type known, resolve, check (a probe
+       process, `check_xla_flags`) and set XLA flags and the plugins' runtime environment
+       (`axcore_runtime_environment`), then join the job (flags first: the peer watch
+       started after joining starts the backend, which reads the flags and the
+       environment only when it starts).
     10. `_lay_out_mesh`: the mesh rule and its modifiers (a resolved config keeps its own).
     11. `_list_late_flags`: with the instance type known only now (detected from the
        started backend), resolve the flags for the record; applying them warns.
@@ -377,8 +379,27 @@ def _build_config(s: _Loading) -> None:
             except ConfigError as e:  # E.g. a malformed path.
                 errors.append(e)
     s.settings = manager.settings(settings_raw, errors=errors)  # Every bad key of plugins' settings too.
-    raise_collected(errors)
+    raise_collected([_with_plugin_hint(e, plugin_names, s.objects) for e in errors])
     s.config = config
+
+
+def _with_plugin_hint(error: ConfigError, enabled: list[str], objects: dict[str, Any] | None) -> ConfigError:
+    """`error`, or for an unknown component name of a known family that an installed plugin not in `enabled`
+    registers, an error saying which plugin to add to `plugins:` (`search_plugins` loads each installed
+    plugin on its own to ask; only on this error's path)."""
+    if not isinstance(error, UnknownComponentError) or not error.family or not error.problem:
+        return error
+    entry = search_plugins(error.family, objects=objects, name=error.name).found.get(error.name)
+    if entry is None or entry.provenance.plugin in enabled:
+        return UnknownComponentError(
+            f"{error.problem} No installed plugin registers it; install the plugin that provides it and add it to "
+            f"`plugins:`.", name=error.name, family=error.family, problem=error.problem,
+        )
+    plugin = entry.provenance.plugin
+    return UnknownComponentError(
+        f"{error.problem} Plugin '{plugin}' (distribution {entry.provenance.distribution}) registers it: add "
+        f"`{plugin}` to plugins:.", name=error.name, family=error.family, problem=error.problem,
+    )
 
 
 def _transform_config(s: _Loading) -> None:
@@ -398,6 +419,7 @@ def _apply_flags_and_join_job(s: _Loading) -> None:
     if s.resolved is None:
         s.config = resolve_experiment_xla_flags(s.config, s.manager, s.known_type)
     s.flags_variable = s.manager.flags_environment(s.known_type)
+    check_xla_flags(s.config.xla_flags, s.flags_variable)  # Before they are set: XLA aborts on a bad one.
     environment = s.manager.runtime_environment(s.known_type)  # Asked always: a conflict is an error either way.
     if s.apply_xla_flags:
         _apply_before_backend(s.config.xla_flags, environment, s.known_type, s.probed, s.flags_variable)
@@ -418,6 +440,7 @@ def _list_late_flags(s: _Loading) -> None:
     instance_type = s.config.mesh.instance_type
     s.config = resolve_experiment_xla_flags(s.config, s.manager, instance_type)
     s.flags_variable = s.manager.flags_environment(instance_type)
+    check_xla_flags(s.config.xla_flags, s.flags_variable)
     if s.apply_xla_flags:
         _apply_before_backend(s.config.xla_flags, {}, instance_type, None, s.flags_variable)
 
