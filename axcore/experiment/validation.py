@@ -142,22 +142,24 @@ def _instance_type_problem(config: Any) -> str | None:
 
 def _mesh_sizes(config: Any) -> tuple[dict[str, int] | None, list[str]]:
     """`({axis: size}, [])` of the mesh on the instance type's devices (`cpu-8`: 8), or `(None, [problem])`
-    when `mesh.mesh_shape` cannot lay them out; `(None, [])` when the type names no device count."""
+    when `mesh.mesh_shape` needs more devices than the type has (or a -1 cannot take the rest); `(None, [])`
+    when the type names no device count. A shape of fewer devices passes: a program may lay the mesh over
+    some of them (`Trainer(devices=...)`), and `axcore train` refuses it before compiling."""
     mesh = config.mesh
     count = InstanceType.parse(mesh.instance_type).count if mesh.instance_type else None
     if count is None or mesh.mesh_shape is None or mesh.mesh_axis_names is None:
         return None, []
     shape = list(mesh.mesh_shape)
     known = math.prod(d for d in shape if d != -1)
-    if -1 in shape and known and count % known == 0:
-        shape[shape.index(-1)] = count // known
-    if math.prod(shape) != count or len(shape) != len(mesh.mesh_axis_names):
+    if (-1 in shape and count % known) or (-1 not in shape and known > count):
         needs = f"a multiple of {known}" if -1 in shape else str(known)
         return None, [
             f"'mesh.mesh_shape' {list(mesh.mesh_shape)} needs {needs} devices, but instance type "
             f"'{mesh.instance_type}' has {count}; set mesh.mesh_shape to a shape of {count} devices (one -1 takes "
             f"the rest), or mesh.instance_type to the machine it is for."
         ]
+    if -1 in shape:
+        shape[shape.index(-1)] = count // known
     return dict(zip(mesh.mesh_axis_names, shape)), []
 
 
