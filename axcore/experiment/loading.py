@@ -38,13 +38,14 @@ import yaml
 from axcore.config import ConfigBase, dump_flat, from_dict, parse_override, raise_collected
 from axcore.config.serialize import flatten, format_value, nest_path, to_dict
 from axcore.data.schema import BATCH_SCHEMA
-from axcore.errors import ConfigError, UnknownComponentError, UnknownFieldError, did_you_mean
+from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
 from axcore.experiment.files import (
     SearchResult,
     builtin_experiments,
     merge_onto_base_run,
     read_experiment_file,
     search_plugins,
+    with_plugin_hint,
 )
 from axcore.experiment.mesh import layout_mesh, local_mesh_rules
 from axcore.experiment.saved import RESOLVED_KEY, check_resolved_marker, check_resolved_plugins, resolved_marker
@@ -379,27 +380,8 @@ def _build_config(s: _Loading) -> None:
             except ConfigError as e:  # E.g. a malformed path.
                 errors.append(e)
     s.settings = manager.settings(settings_raw, errors=errors)  # Every bad key of plugins' settings too.
-    raise_collected([_with_plugin_hint(e, plugin_names, s.objects) for e in errors])
+    raise_collected([with_plugin_hint(e, plugin_names, s.objects) for e in errors])
     s.config = config
-
-
-def _with_plugin_hint(error: ConfigError, enabled: list[str], objects: dict[str, Any] | None) -> ConfigError:
-    """`error`, or for an unknown component name of a known family that an installed plugin not in `enabled`
-    registers, an error saying which plugin to add to `plugins:` (`search_plugins` loads each installed
-    plugin on its own to ask; only on this error's path)."""
-    if not isinstance(error, UnknownComponentError) or not error.family or not error.problem:
-        return error
-    entry = search_plugins(error.family, objects=objects, name=error.name).found.get(error.name)
-    if entry is None or entry.provenance.plugin in enabled:
-        return UnknownComponentError(
-            f"{error.problem} No installed plugin registers it; install the plugin that provides it and add it to "
-            f"`plugins:`.", name=error.name, family=error.family, problem=error.problem,
-        )
-    plugin = entry.provenance.plugin
-    return UnknownComponentError(
-        f"{error.problem} Plugin '{plugin}' (distribution {entry.provenance.distribution}) registers it: add "
-        f"`{plugin}` to plugins:.", name=error.name, family=error.family, problem=error.problem,
-    )
 
 
 def _transform_config(s: _Loading) -> None:
