@@ -40,7 +40,16 @@ class NoMatchError(ConfigError):
 
 
 class UnknownComponentError(ConfigError):
-    """A config names a component (layer, kernel, ...) that no plugin registered."""
+    """A config names a component (layer, kernel, ...) that no plugin registered.
+
+    `name` is the unknown name and `family` the registry family it was looked up in
+    (e.g. "tokenizers"), where known, so that the loader can name an installed plugin
+    that registers it; `problem` is the message without its advice.
+    """
+
+    def __init__(self, message: str, *, name: str | None = None, family: str | None = None, problem: str | None = None):
+        super().__init__(message)
+        self.name, self.family, self.problem = name, family, problem
 
 
 class PluginError(AxcoreError):

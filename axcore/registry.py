@@ -254,15 +254,31 @@ class Registries:
     def _component_registries(self) -> list[Registry]:
         return [self._registries[f.name] for f in self._families.values() if f.config_names]
 
-    def lookup(self, name: str) -> Any:
-        """The class or factory a config's `type: <name>` refers to."""
+    def lookup(self, name: str, *, path: str | None = None, like: Any = None) -> Any:
+        """The class or factory a config's `type: <name>` refers to.
+
+        Args:
+            name: the registered name.
+            path: the config path of the node (errors name `<path>.type`).
+            like: what the node built before (its default's target): an unknown name is
+                reported among the names of that target's family only (tokenizers for a
+                tokenizer), and the error carries the family for the loader's plugin hint.
+
+        Raises:
+            UnknownComponentError: no config-nameable family registers `name`.
+        """
         for registry in self._component_registries():
             if name in registry:
                 return registry[name]
-        names = sorted(n for r in self._component_registries() for n in r)
+        family = next((f.name for f in self._families.values() if f.config_names and like is not None
+                       and self._registries[f.name].name_of(like) is not None), None)
+        registries = [self._registries[family]] if family else self._component_registries()
+        names = sorted(n for r in registries for n in r)
+        kind = registries[0].kind if family else "component"
+        where = f"'{path}.type': " if path else ""
+        problem = f"{where}{'no' if path else 'No'} {kind} named '{name}'{did_you_mean(name, names)}; {family or 'registered'}: {', '.join(names)}."
         raise UnknownComponentError(
-            f"No component named '{name}'{did_you_mean(name, names)}; registered: "
-            f"{', '.join(names)}. Enable the plugin that provides it in `plugins:`."
+            f"{problem} Enable the plugin that provides it in `plugins:`.", name=name, family=family, problem=problem
         )
 
     def name_of(self, target: Any) -> str | None:

@@ -16,7 +16,7 @@ class CpuFlags:
 
     @axcore.hookimpl
     def axcore_xla_flags(self, instance_type):
-        return {"xla_loading_order_marker": "true"} if instance_type.startswith("cpu") else None
+        return {"xla_cpu_enable_fast_math": "true"} if instance_type.startswith("cpu") else None
 
 
 @pytest.fixture
@@ -50,9 +50,9 @@ def test_known_instance_type_sets_the_flags_then_joins_the_job_once(monkeypatch,
     overrides = ["plugins=[cpu_flags]", "mesh.instance_type=cpu-1"]
     experiment = load_experiment("default", overrides, objects={"cpu_flags": CpuFlags()}, apply_xla_flags=True,
                                  distributed=job)
-    assert experiment.config.xla_flags == {"xla_loading_order_marker": "true"}
+    assert experiment.config.xla_flags == {"xla_cpu_enable_fast_math": "true"}
     joins = [e for e in events if e[0] == "join"]
-    assert joins == [("join", job, "--xla_keep=1 --xla_loading_order_marker=true")]
+    assert joins == [("join", job, "--xla_keep=1 --xla_cpu_enable_fast_math=true")]
     # The platform came from the instance type: the backend was never asked before joining.
     assert ("backend",) not in events[: events.index(joins[0])]
 

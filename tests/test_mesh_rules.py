@@ -196,7 +196,7 @@ def test_local_rule_in_yaml_wins_and_mesh_rule_can_pick_either(tmp_path):
     assert plugin.config.mesh.rule == "test-gpu-h100" and plugin.config.model.compute_dtype == BF16
     below = load_experiment(path, ["mesh.instance_type=gpu-h100-8", "mesh_rules[0].priority=-1"], objects=OBJECTS)
     assert below.config.mesh.rule == "test-gpu-h100"  # An explicit priority below the plugin's 10.
-    assert load_experiment(path, ["mesh.instance_type=cpu-2", "mesh.rule=mine"]).config.mesh.mesh_shape == (-1, 8)
+    assert load_experiment(path, ["mesh.instance_type=cpu-16", "mesh.rule=mine"]).config.mesh.mesh_shape == (-1, 8)
     with pytest.raises(UnknownComponentError, match=r"'mesh.rule' names no mesh rule 'mien' \(did you mean 'mine'\?\)"):
         load_experiment(path, ["mesh.instance_type=cpu-2", "mesh.rule=mien"])
 

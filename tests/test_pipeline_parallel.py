@@ -142,7 +142,8 @@ def test_a_plugin_adds_a_schedule_that_the_modifier_and_report_use():
     assert registries.pipeline_schedules["reverse"] is Reverse
     rule = ("mesh_rules=[{name: staged, instance_type: '.*', mesh_shape: [2, -1], mesh_axis_names: [stage, data], "
             "modifiers: [{type: pipeline, schedule: reverse, microbatches: 3}]}]")
-    exp = load_experiment("scan", [*tiny.TINY, "plugins=[reverse]", "mesh.instance_type=cpu-8", rule],
+    # 12 rows: 3 on each of the data axis's 4 devices, one per microbatch (config refuses fewer).
+    exp = load_experiment("scan", [*tiny.TINY, "plugins=[reverse]", "mesh.instance_type=cpu-8", "input.batch_size=12", rule],
                           objects={"reverse": ReversePlugin()})
     [(path, schedule)] = find(exp.config.model, PipelineSchedule)
     assert path == "decoder.pipeline" and schedule.klass is Reverse and schedule.microbatches == 3

@@ -33,7 +33,8 @@ GOLDEN = pathlib.Path(__file__).parent / "golden"
 # Every mesh axis the default rules name, two devices each (abstract: 32 devices need not exist).
 FULL = AbstractMesh((2, 2, 2, 2, 2), ("data", "fsdp", "tensor", "expert", "sequence"))
 DFT = AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
-MESH_2x2x2 = ["mesh.mesh_shape=[2,2,2]", "mesh.mesh_axis_names=[data,fsdp,tensor]"]
+# An 8-device mesh, described on any machine for the instance type it is laid out for.
+MESH_2x2x2 = ["mesh.instance_type=cpu-8", "mesh.mesh_shape=[2,2,2]", "mesh.mesh_axis_names=[data,fsdp,tensor]"]
 
 
 def test_default_rules_map_every_logical_axis():
@@ -199,6 +200,7 @@ def test_sharding_dump_resolves_the_selector_size_abstractly(capsys):
 
 
 def test_sharding_report_raises_like_the_trainer():
-    exp = load_experiment(None, [*tiny.TINY, "mesh.mesh_shape=[1,4]", "mesh.mesh_axis_names=[data,tensor]"])
+    exp = load_experiment(None, [*tiny.TINY, "mesh.instance_type=cpu-4", "mesh.mesh_shape=[1,4]",
+                                 "mesh.mesh_axis_names=[data,tensor]"])
     with pytest.raises(ConfigError, match=r"model\.decoder\.layer0\.self_attention\.w.*size 2 .*tensor=4"):
         sharding_report(exp)

@@ -87,30 +87,35 @@ def test_a_plugin_answering_something_else_than_a_mapping_is_named():
         manager.xla_flags("cpu-1")
 
 
+# Real XLA flags (the experiment's flags are checked against the installed XLA): two booleans and an integer.
+LHS, PAG, ARC = ("xla_gpu_enable_latency_hiding_scheduler", "xla_gpu_enable_pipelined_all_gather",
+                 "xla_gpu_all_reduce_combine_threshold_bytes")
+
+
 def test_resolved_config_lists_plugin_flags_with_the_experiments_overrides():
-    objects = {"flags": FlagPlugin("gpu-h100", {"xla_a": "true", "xla_b": "1"})}
-    overrides = ["plugins=[flags]", "mesh.instance_type=gpu-h100-8", "xla_flags={xla_b: null, xla_c: 7}"]
+    objects = {"flags": FlagPlugin("gpu-h100", {LHS: "true", PAG: "true"})}
+    overrides = ["plugins=[flags]", "mesh.instance_type=gpu-h100-8", f"xla_flags={{{PAG}: null, {ARC}: 7}}"]
     experiment = load_experiment("default", overrides, objects=objects)
-    assert experiment.config.xla_flags == {"xla_a": "true", "xla_c": "7"}
-    assert "xla_flags: {xla_a: 'true', xla_c: '7'}" in experiment.flat()
+    assert experiment.config.xla_flags == {LHS: "true", ARC: "7"}
+    assert f"xla_flags: {{{ARC}: '7', {LHS}: 'true'}}" in experiment.flat()
     # Another instance type: the plugin recommends nothing; the experiment's own flag stays.
     overrides[1] = "mesh.instance_type=gpu-a100-8"
-    assert load_experiment("default", overrides, objects=objects).config.xla_flags == {"xla_c": "7"}
+    assert load_experiment("default", overrides, objects=objects).config.xla_flags == {ARC: "7"}
 
 
 def test_flags_are_applied_only_for_this_machines_platform(monkeypatch, caplog):
-    objects = {"flags": FlagPlugin("gpu", {"xla_a": "true"})}
+    objects = {"flags": FlagPlugin("gpu", {LHS: "true"})}
     overrides = ["plugins=[flags]", "mesh.instance_type=gpu-h100-8"]
     monkeypatch.setenv("XLA_FLAGS", "--xla_keep=1")
     monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: "gpu-h100-8")
     load_experiment("default", overrides, objects=objects, apply_xla_flags=True)
-    assert os.environ["XLA_FLAGS"] == "--xla_keep=1 --xla_a=true"
+    assert os.environ["XLA_FLAGS"] == f"--xla_keep=1 --{LHS}=true"
     # Resolving a GPU experiment on a CPU machine lists the flags but never sets them here.
     monkeypatch.setenv("XLA_FLAGS", "--xla_keep=1")
     monkeypatch.setattr(axcore.experiment.loading, "probe_instance_type", lambda: "cpu-1")
     with caplog.at_level(logging.WARNING, logger="axcore.experiment.loading"):
         experiment = load_experiment("default", overrides, objects=objects, apply_xla_flags=True)
-    assert experiment.config.xla_flags == {"xla_a": "true"}
+    assert experiment.config.xla_flags == {LHS: "true"}
     assert os.environ["XLA_FLAGS"] == "--xla_keep=1"
     assert "XLA flags for gpu-h100-8 not applied: this machine was probed as cpu-1" in caplog.text
 
@@ -257,3 +262,40 @@ def test_runtime_environment_conflicts_and_bad_names_name_the_plugin():
     listed = axcore.create_plugin_manager(["bad"], objects={"bad": EnvironmentPlugin(["Q"])})
     with pytest.raises(PluginLoadError, match="Plugin 'bad' .*axcore_runtime_environment returned list"):
         listed.runtime_environment("gpu-h100-1")
+
+
+def _config(tmp_path, *overrides):
+    command = [sys.executable, "-m", "axcore.cli", "config", "default", *[a for o in overrides for a in ("--set", o)]]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        ("{foo: 1}", "axcore: error: 'xla_flags.foo' is not a flag the installed XLA (jaxlib) knows"),
+        ("{xla_cpu_enable_fast_math: maybe}",
+         "axcore: error: 'xla_flags.xla_cpu_enable_fast_math': XLA cannot read 'maybe' as the value of this flag "
+         "(type bool); use true or false."),
+    ],
+)
+def test_config_refuses_a_flag_xla_would_abort_on_in_one_line(tmp_path, flags, line):
+    # Today XLA aborts `axcore train` with a fatal C++ line (a bad boolean prints the usage of every flag).
+    out = _config(tmp_path, f"xla_flags={flags}")
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), out.stderr
+    assert list((tmp_path / "cache" / "axcore" / "xla_flags").glob("*.json"))  # The verdict is kept.
+
+
+def test_a_flag_verdict_is_cached_per_flag_set(tmp_path, monkeypatch):
+    from axcore.platform import xla_flags
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    probes = []
+    monkeypatch.setattr(xla_flags, "_run_probe", lambda text: probes.append(text) or "Unknown flag in XLA_FLAGS: --xla_x=1")
+    for _ in range(2):
+        with pytest.raises(ConfigError, match=r"'xla_flags.xla_x' is not a flag"):
+            xla_flags.check_xla_flags({"xla_x": "1"})
+    xla_flags.check_xla_flags({"xla_x": "1"}, variable="LIBTPU_INIT_ARGS")  # Another compiler's: not XLA's to judge.
+    assert probes == ["--xla_x=1"]  # Probed once; the second check read the cached verdict.

@@ -54,15 +54,32 @@ def overrides(args) -> list[str]:
     return [*args.overrides, *([f"mesh.instance_type={selector}"] if selector else [])]
 
 
+def _expanded(path: str) -> list[str]:
+    """`path`, or the sorted paths a glob in it matches (a quoted `runs/mix-*` reaches us unexpanded) when
+    nothing exists under the literal name; [] for a glob that matches nothing."""
+    import glob  # Deferred with the rest of the run lookup: `axcore --help` stays cheap.
+
+    if os.path.exists(path) or not glob.has_magic(path):
+        return [path]
+    return sorted(glob.glob(os.path.expanduser(path)))
+
+
 def one_run(args) -> str:
     """The one run path of `eval` or `generate`; several (e.g. `runs/default-*`) are an AxcoreError naming them.
 
-    The error suggests the newest of them (latest modification time) as the one to name.
+    A path with glob characters that names nothing as written is expanded (a quoted glob
+    reaches the command unexpanded): one match is the run, none or several are refused.
+    The error about several suggests the newest of them (latest modification time).
     """
-    paths = [args.run, *args.more_runs]
-    if len(paths) == 1:
-        return args.run
     from axcore.errors import AxcoreError  # Deferred: only on the error path.
+
+    paths = [p for given in [args.run, *args.more_runs] for p in _expanded(given)]
+    if not paths:
+        raise AxcoreError(
+            f"'{args.run}' matches no run directory; give a run directory, its checkpoints/ or one step's directory."
+        )
+    if len(paths) == 1:
+        return paths[0]
 
     def modified(path: str) -> float:
         try:

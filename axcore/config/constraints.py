@@ -85,6 +85,10 @@ class Constraint:
         """What to do about a `value` that has a problem (appended to the line), or None."""
         return None
 
+    def warning(self, value: Any) -> str | None:
+        """Why an allowed `value` is unusual enough to warn about (`config_warnings`), or None."""
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class AtLeastSetting(Constraint):
@@ -142,6 +146,8 @@ class Range(Constraint):
     ge: float | None = None
     lt: float | None = None
     le: float | None = None
+    # What to do about a value out of range (appended to the problem's line), if anything is worth saying.
+    hint: str | None = None
 
     def describe(self) -> str:
         parts = []
@@ -165,6 +171,9 @@ class Range(Constraint):
             and (self.le is None or value <= self.le)
         )
         return None if ok else f"must be {self.describe()}"
+
+    def advice(self, value: Any) -> str | None:
+        return self.hint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +218,27 @@ class Size(Constraint):
         return "set a smaller value" if value > self.limit else f"set at least {self.minimum}"
 
 
+@dataclasses.dataclass(frozen=True)
+class PeakRate(Range):
+    """A peak rate a schedule scales (a learning rate): in `(0, le]`, with a warning above `warn_above`.
+
+    Zero (also what a literal such as 1e-400 underflows to) trains nothing; past `le` the
+    first update of unit-scale weights is larger than the weights themselves, so the
+    run diverges to NaN while exiting normally.
+    """
+
+    warn_above: float = 1.0
+
+    def advice(self, value: Any) -> str:
+        small = " (a literal as small as 1e-400 reads as 0)" if value == 0 else ""
+        return f"typical peak learning rates lie between 1e-5 and 1e-2{small}"
+
+    def warning(self, value: Any) -> str | None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > self.warn_above:
+            return f"is {value:g}, above {self.warn_above:g}; such a run usually diverges ({self.advice(value)})"
+        return None
+
+
 class _Floating(Constraint):
     """A floating dtype (float32, bfloat16, float16, float8 types): values that are differentiated."""
 
@@ -236,6 +266,8 @@ NonNegative = Range(ge=0)
 Probability = Range(ge=0, lt=1)
 # Fractions and mixing weights: [0, 1].
 UnitInterval = Range(ge=0, le=1)
+# Peak learning rates: > 0 and <= 10, a warning above 1.
+LearningRate = PeakRate(gt=0, le=10)
 # Seeds of JAX's PRNG (a uint32 pair from an integer below 2**32 here).
 Seed = Range(ge=0, lt=2**32)
 # A float field that may hold inf or NaN (every other float must be finite).
@@ -366,6 +398,34 @@ def _collect(cfg: ConfigBase, path: str, problems: list[str], *, sizes_only: boo
     if not sizes_only:
         for field, problem in cfg.check_fields():
             problems.append(f"'{prefix}{field}' {problem}")
+
+
+def config_warnings(cfg: ConfigBase, path: str = "") -> list[str]:
+    """One line per allowed but unusual value of the tree (`Constraint.warning`), each naming its path."""
+    warnings: list[str] = []
+    types_ = type(cfg).field_types()
+    prefix = f"{path}." if path else ""
+    for name, value in cfg.items():
+        where = f"{prefix}{name}"
+        for constraint in _split(strip_optional(types_[name]))[1]:
+            text = None if value is None or value is REQUIRED else constraint.warning(value)
+            if text:
+                warnings.append(f"'{where}' {text}.")
+        children = [(value, where)] if isinstance(value, ConfigBase) else []
+        if isinstance(value, (list, tuple)):
+            children = [(item, f"{where}[{i}]") for i, item in enumerate(value) if isinstance(item, ConfigBase)]
+        for child, child_path in children:
+            warnings.extend(config_warnings(child, child_path))
+    return warnings
+
+
+def strip_optional(tp: Any) -> Any:
+    """`X | None` -> `X` (the annotation itself otherwise)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
+        return members[0] if len(members) == 1 else tp
+    return tp
 
 
 def validate_config(cfg: ConfigBase, path: str = "") -> None:

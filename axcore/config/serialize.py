@@ -52,8 +52,9 @@ def safe_load(source: str | bytes, label: str = "<yaml>") -> Any:
 class Resolver(Protocol):
     """Maps registered component names to targets (classes/functions) and back."""
 
-    def lookup(self, name: str) -> Any:
-        """The target registered as `name`; raises UnknownComponentError listing names."""
+    def lookup(self, name: str, *, path: str | None = None, like: Any = None) -> Any:
+        """The target registered as `name`; raises UnknownComponentError naming `path` and listing the names
+        of the family of `like` (what the node built before), else every name."""
 
     def name_of(self, target: Any) -> str | None:
         """The name `target` is registered under, or None."""
@@ -147,7 +148,7 @@ def from_dict(
     if type_name is not None:
         if not isinstance(type_name, str):
             raise ConfigError(f"Config '{where}.type' must be a registered name, got {type_name!r}.")
-        target = resolver.lookup(type_name)
+        target = resolver.lookup(type_name, path=where, like=getattr(base, "target", None))
         if isinstance(base, InstantiableConfig) and base.target is target:
             node = base.clone()
         else:

@@ -172,6 +172,9 @@ class InputPipeline:
         self.stop_when_exhausted = False
         self._cfg, self._vocab_size = cfg, vocab_size
         self._sources = cfg.sources(tokenizer, component)
+        for _, _, source in self._sources:  # Files of streamed sources are listed now, not at the first batch.
+            if isinstance(source, StreamedSource):
+                source.check()
         self._names = [name for name, _, _ in self._sources]
         if cfg.worker_processes and any(isinstance(s, StreamedSource) for _, _, s in self._sources):
             raise DataError("input.worker_processes needs random-access sources (prepared, ...); set it to 0.")

@@ -2,7 +2,8 @@
 
 `read_experiment_file` returns the raw YAML mapping (read with the hardened safe
 loader) and a label that error messages name; `search_plugins` is the search it
-uses, also what `axcore plugins` and model converters use to find a family's
+uses, also what `axcore plugins`, model converters and `with_plugin_hint` (an unknown
+component name's error naming the plugin to enable) use to find a family's
 registrations among plugins that are not enabled.
 
 Layer: experiment (imports config, registry and the plugin manager; never the loader).
@@ -17,7 +18,7 @@ from typing import Any
 
 from axcore.config.safe_yaml import read_file as read_yaml_file
 from axcore.config.serialize import safe_load
-from axcore.errors import ConfigError, PluginError, did_you_mean
+from axcore.errors import ConfigError, PluginError, UnknownComponentError, did_you_mean
 from axcore.experiments import experiment_text
 from axcore.plugin.loading import BUILTIN_DISTRIBUTION, autoload_disabled, create_plugin_manager, installed_entry_points
 from axcore.plugin.requests import PluginRequest
@@ -79,6 +80,25 @@ def search_plugins(
                 if entry.provenance.plugin == plugin:
                     merged.register(n, entry.value, entry.provenance, entry.override)
     return SearchResult({n: merged.entry(n) for n in merged}, broken)
+
+
+def with_plugin_hint(error: ConfigError, enabled: list[str], objects: dict[str, Any] | None) -> ConfigError:
+    """`error`, or for an unknown component name of a known family that an installed plugin not in `enabled`
+    registers, an error saying which plugin to add to `plugins:` (`search_plugins` loads each installed
+    plugin on its own to ask; only on this error's path)."""
+    if not isinstance(error, UnknownComponentError) or not error.family or not error.problem:
+        return error
+    entry = search_plugins(error.family, objects=objects, name=error.name).found.get(error.name)
+    if entry is None or entry.provenance.plugin in enabled:
+        return UnknownComponentError(
+            f"{error.problem} No installed plugin registers it; install the plugin that provides it and add it to "
+            f"`plugins:`.", name=error.name, family=error.family, problem=error.problem,
+        )
+    plugin = entry.provenance.plugin
+    return UnknownComponentError(
+        f"{error.problem} Plugin '{plugin}' (distribution {entry.provenance.distribution}) registers it: add "
+        f"`{plugin}` to plugins:.", name=error.name, family=error.family, problem=error.problem,
+    )
 
 
 def builtin_experiments() -> list[str]:

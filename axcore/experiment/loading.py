@@ -45,6 +45,7 @@ from axcore.experiment.files import (
     merge_onto_base_run,
     read_experiment_file,
     search_plugins,
+    with_plugin_hint,
 )
 from axcore.experiment.mesh import layout_mesh, local_mesh_rules
 from axcore.experiment.saved import RESOLVED_KEY, check_resolved_marker, check_resolved_plugins, resolved_marker
@@ -69,6 +70,7 @@ from axcore.platform.mesh import instance_platform
 from axcore.platform.xla_flags import (
     apply_runtime_environment,
     apply_xla_flags,
+    check_xla_flags,
     format_xla_flags,
     resolve_xla_flags,
 )
@@ -218,10 +220,11 @@ def load_experiment(
        of all three is reported in one error.
     8. `_transform_config`: size checks, then the plugins' config transforms in
        `plugins:` order (not for a resolved config).
-    9. `_apply_flags_and_join_job`: with the instance type known, resolve and set XLA
-       flags and the plugins' runtime environment (`axcore_runtime_environment`), then
-       join the job (flags first: the peer watch started after joining starts the
-       backend, which reads the flags and the environment only when it starts).
+    9. `_apply_flags_and_join_job`: with the instance type known, resolve, check (a probe
+       process, `check_xla_flags`) and set XLA flags and the plugins' runtime environment
+       (`axcore_runtime_environment`), then join the job (flags first: the peer watch
+       started after joining starts the backend, which reads the flags and the
+       environment only when it starts).
     10. `_lay_out_mesh`: the mesh rule and its modifiers (a resolved config keeps its own).
     11. `_list_late_flags`: with the instance type known only now (detected from the
        started backend), resolve the flags for the record; applying them warns.
@@ -377,7 +380,7 @@ def _build_config(s: _Loading) -> None:
             except ConfigError as e:  # E.g. a malformed path.
                 errors.append(e)
     s.settings = manager.settings(settings_raw, errors=errors)  # Every bad key of plugins' settings too.
-    raise_collected(errors)
+    raise_collected([with_plugin_hint(e, plugin_names, s.objects) for e in errors])
     s.config = config
 
 
@@ -398,6 +401,7 @@ def _apply_flags_and_join_job(s: _Loading) -> None:
     if s.resolved is None:
         s.config = resolve_experiment_xla_flags(s.config, s.manager, s.known_type)
     s.flags_variable = s.manager.flags_environment(s.known_type)
+    check_xla_flags(s.config.xla_flags, s.flags_variable)  # Before they are set: XLA aborts on a bad one.
     environment = s.manager.runtime_environment(s.known_type)  # Asked always: a conflict is an error either way.
     if s.apply_xla_flags:
         _apply_before_backend(s.config.xla_flags, environment, s.known_type, s.probed, s.flags_variable)
@@ -418,6 +422,7 @@ def _list_late_flags(s: _Loading) -> None:
     instance_type = s.config.mesh.instance_type
     s.config = resolve_experiment_xla_flags(s.config, s.manager, instance_type)
     s.flags_variable = s.manager.flags_environment(instance_type)
+    check_xla_flags(s.config.xla_flags, s.flags_variable)
     if s.apply_xla_flags:
         _apply_before_backend(s.config.xla_flags, {}, instance_type, None, s.flags_variable)
 

@@ -17,6 +17,7 @@ shapes) is built only after that.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import pathlib
@@ -31,13 +32,22 @@ from axcore.config import (
     ConfigValidationError,
     InstantiableConfig,
     config_problems,
+    config_warnings,
     setting_problems,
     size_problems,
     walk,
 )
+from axcore.config.traversal import find, get_path, split_path
+from axcore.data.mixture import check_components
 from axcore.errors import AxcoreError, did_you_mean, one_line
+from axcore.layers.pipeline import STAGE_AXIS
+from axcore.layers.transformer import RepeatedTransformer
 from axcore.params import ParameterSpec
-from axcore.platform.mesh import instance_platform
+from axcore.platform.mesh import CONTEXT_AXIS, DEFAULT_RULE, InstanceType, instance_platform
+from axcore.platform.sharding import resolve_rules
+from axcore.plugin.instance_probe import HARDWARE_PLATFORMS
+
+logger = logging.getLogger(__name__)
 
 # Directories a run directory may never be put under (kernel interfaces, not storage).
 _FORBIDDEN_ROOTS = ("/proc", "/sys", "/dev")
@@ -102,6 +112,128 @@ def _cross_section_problems(config: Any, *, check_required: bool = True) -> list
         problem = run_dir_problem(config.trainer.run_dir)
         if problem:
             problems.append(problem)
+    return problems
+
+
+def _mixture_problems(config: Any) -> list[str]:
+    """An empty mixture, a component without a name or source, empty or repeated names (`check_components`)."""
+    if config.input.mixture is None:
+        return []
+    try:
+        check_components(config.input.mixture)
+    except AxcoreError as e:
+        return [one_line(e)]
+    return []
+
+
+def _instance_type_problem(config: Any) -> str | None:
+    """An instance type of no known platform (cpu, gpu, tpu, neuron) that only the catch-all `default`
+    mesh rule matched: a typo, or a platform whose hardware plugin is not installed."""
+    instance_type = config.mesh.instance_type
+    platform = instance_platform(instance_type)
+    if platform is None or platform in ("cpu", *HARDWARE_PLATFORMS) or config.mesh.rule != DEFAULT_RULE.name:
+        return None
+    return (
+        f"'mesh.instance_type' ('{instance_type}') names no known platform '{platform}'{did_you_mean(platform, ['cpu', *HARDWARE_PLATFORMS])}; "
+        f"instance types read <platform>[-<device kind>]-<device count>, e.g. cpu-8, gpu-h100-8, tpu-v5p-64 "
+        f"(platforms: cpu, {', '.join(HARDWARE_PLATFORMS)}, or one whose hardware plugin is installed)."
+    )
+
+
+def _mesh_sizes(config: Any) -> tuple[dict[str, int] | None, list[str]]:
+    """`({axis: size}, [])` of the mesh on the instance type's devices (`cpu-8`: 8), or `(None, [problem])`
+    when `mesh.mesh_shape` needs more devices than the type has (or a -1 cannot take the rest); `(None, [])`
+    when the type names no device count. A shape of fewer devices passes: a program may lay the mesh over
+    some of them (`Trainer(devices=...)`), and `axcore train` refuses it before compiling."""
+    mesh = config.mesh
+    count = InstanceType.parse(mesh.instance_type).count if mesh.instance_type else None
+    if count is None or mesh.mesh_shape is None or mesh.mesh_axis_names is None:
+        return None, []
+    shape = list(mesh.mesh_shape)
+    known = math.prod(d for d in shape if d != -1)
+    if (-1 in shape and count % known) or (-1 not in shape and known > count):
+        needs = f"a multiple of {known}" if -1 in shape else str(known)
+        return None, [
+            f"'mesh.mesh_shape' {list(mesh.mesh_shape)} needs {needs} devices, but instance type "
+            f"'{mesh.instance_type}' has {count}; set mesh.mesh_shape to a shape of {count} devices (one -1 takes "
+            f"the rest), or mesh.instance_type to the machine it is for."
+        ]
+    if -1 in shape:
+        shape[shape.index(-1)] = count // known
+    return dict(zip(mesh.mesh_axis_names, shape)), []
+
+
+def _set_or_inherited(root: Any, path: str, field: str) -> int | None:
+    """The int `field` of the node at `path` under `root`, else of its nearest ancestor that sets it (a parent
+    fills its children's unset fields of the same name, e.g. a model's num_layers its decoder's), else None."""
+    parts = split_path(path)
+    for depth in range(len(parts), -1, -1):
+        node = get_path(root, "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts[:depth]).lstrip("."))
+        value = getattr(node, field, None) if isinstance(node, ConfigBase) and field in node.keys() else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _layout_problems(config: Any) -> list[str]:
+    """What the mesh, batch, microbatches, pipelines and context axis must divide, on the instance type's devices.
+
+    The batch is split over its mesh axes (logical axis `batch`), each device holding
+    `rows = input.batch_size / shards` rows. Under a pipeline, gradient accumulation cuts
+    every device's rows into `trainer.microbatches` and the schedule cuts the rows of each
+    of those into its own `microbatches`, both per device (the split keeps each device's
+    rows, `axcore.layers.pipeline.split_microbatches`; XLA's SPMD partitioner aborts on any
+    other: 8 rows over data=2 x fsdp=2 into 4 microbatches does, into 2 trains). Without
+    a pipeline, XLA reshards accumulation microbatches that do not divide the rows. A
+    pipeline needs its stacked units to split into stages x repeats; the sequence is split
+    over the `context` axis.
+    """
+    sizes, problems = _mesh_sizes(config)
+    if sizes is None:
+        return problems
+    batch, accumulation = config.input.batch_size, config.trainer.microbatches
+    axes = [a for a in resolve_rules(config.mesh.axis_rules).get("batch") or () if a in sizes]
+    shards = math.prod(sizes[a] for a in axes)
+    named = " x ".join(f"{a}={sizes[a]}" for a in axes) or "none"
+    stages = sizes.get(STAGE_AXIS, 1)
+    for path, node in find(config.model, RepeatedTransformer) if stages > 1 else ():
+        if node.pipeline is None:
+            continue
+        if batch % shards:  # The train step refuses it before compiling (`check_batch_size`), with or without a pipeline.
+            break
+        rows = batch // shards
+        if rows % accumulation:  # XLA reshards such accumulation microbatches, but not a pipeline's split of them.
+            return [
+                f"'trainer.microbatches' ({accumulation}) does not divide the {rows} rows each device holds "
+                f"(input.batch_size {batch} / batch axes {named}), which a pipeline needs; use a divisor of {rows}, "
+                f"or a batch size that is a multiple of {shards * accumulation}."
+            ]
+        rows //= accumulation
+        where = f"model.{path}.pipeline" if path else "model.pipeline"
+        schedule = node.pipeline.instantiate()
+        micro, repeats = schedule.microbatches, schedule.repeats
+        unit = node.layer.num_layers if "num_layers" in node.layer.keys() and isinstance(node.layer.num_layers, int) else 1
+        layers = _set_or_inherited(config.model, path, "num_layers")
+        units = layers // unit if layers is not None else None
+        problems += [f"'{where}': {p} ({type(schedule).__name__}); change the schedule or the stage count."
+                     for p in schedule.problems(stages)]
+        if units is not None and units % (stages * repeats):
+            problems.append(
+                f"'{where}': the {units} stacked units do not split into {stages} stages ({STAGE_AXIS}={stages}) x "
+                f"{repeats} repeats; use a layer count that is a multiple of {stages * repeats * unit}."
+            )
+        if rows % micro:
+            problems.append(
+                f"'{where}.microbatches' ({micro}) does not divide the {rows} rows each device holds per step "
+                f"(input.batch_size {batch} / trainer.microbatches {accumulation} / batch axes {named}); use a "
+                f"divisor of {rows}, or a batch size that is a multiple of {shards * accumulation * micro}."
+            )
+    context = sizes.get(CONTEXT_AXIS, 1)
+    if config.input.seq_len % context:
+        problems.append(
+            f"'input.seq_len' ({config.input.seq_len}) is not divisible by the {CONTEXT_AXIS} axis ({context}) the "
+            f"sequence is split over; use a multiple of {context} or change mesh.mesh_shape."
+        )
     return problems
 
 
@@ -212,7 +344,11 @@ def validate_experiment(
         if plugin_settings is not None:
             problems += config_problems(plugin_settings, name)
     problems += _cross_section_problems(config, check_required=components_ok)
+    problems += _mixture_problems(config)
+    problems += [p for p in [_instance_type_problem(config)] if p]
     problems += _kernel_problems(config, registries)
+    if not problems:  # Divisibilities of sane values only.
+        problems += _layout_problems(config)
     if not problems:  # Building needs sane values: only once every field is in range.
         try:
             problem = _tokenizer_problem(config)
@@ -230,3 +366,5 @@ def validate_experiment(
         raise raised[problems[0]]
     if problems:
         raise ConfigValidationError(problems)
+    for warning in config_warnings(config):
+        logger.warning("%s", warning)

@@ -21,12 +21,20 @@ environment are reported as not applied.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import pathlib
 import re
+import subprocess
+import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from axcore.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 # A flag name as XLA spells it, without the leading `--` (e.g. xla_gpu_enable_command_buffer).
 _FLAG_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
@@ -128,10 +136,102 @@ def apply_runtime_environment(
     return added
 
 
+# What the probe runs: XLA parses XLA_FLAGS when its first backend starts (a CPU one here, touching no accelerator).
+_PROBE = "import jax; jax.devices()"
+# Seconds the probe may take (a machine under load starts JAX in a few seconds).
+_PROBE_TIMEOUT_S = 120
+# XLA's two fatal lines about XLA_FLAGS: a name no flag list knows, a value its flag's type cannot hold.
+_UNKNOWN = re.compile(r"Unknown flags? in XLA_FLAGS: (\S+)")
+_BAD_VALUE = re.compile(r"Couldn't interpret value (.*) for flag (\S+?)\.?$", re.MULTILINE)
+# A flag's line in XLA's usage text: `--name=default<TAB>type<TAB>description`.
+_USAGE = re.compile(r"^\s*--([A-Za-z0-9_]+)=\S*\s+(bool|int32|int64|float|string)\b", re.MULTILINE)
+
+
+def _probe_cache_file(flags_text: str) -> pathlib.Path:
+    """Where the verdict on `flags_text` for the installed jaxlib is kept (one small JSON file per flag set)."""
+    import jaxlib  # The version only: importing jaxlib starts no backend.
+
+    root = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "axcore" / "xla_flags"
+    key = hashlib.sha256(f"{sys.executable}\n{jaxlib.__version__}\n{flags_text}".encode()).hexdigest()[:32]
+    return root / f"{key}.json"
+
+
+def _run_probe(flags_text: str) -> str | None:
+    """XLA's complaint about XLA_FLAGS=`flags_text` (its stderr) from a fresh CPU-only process, "" if it
+    accepted them, None if the probe itself could not run (it then decides nothing)."""
+    env = {**os.environ, "XLA_FLAGS": flags_text, "JAX_PLATFORMS": "cpu"}
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+                              timeout=_PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        logger.warning("XLA flags not checked: the probe process failed (%s).", e)
+        return None
+    if done.returncode == 0:
+        return ""
+    if _UNKNOWN.search(done.stderr) or _BAD_VALUE.search(done.stderr):
+        return done.stderr
+    logger.warning("XLA flags not checked: the probe process exited %d (%s).", done.returncode,
+                   (done.stderr.strip().splitlines() or ["no output"])[-1][:300])
+    return None
+
+
+def _probe(flags_text: str) -> str | None:
+    """`_run_probe`, its verdict cached on disk per jaxlib version and flag set (a run's next start reads it)."""
+    cache = _probe_cache_file(flags_text)
+    try:
+        return json.loads(cache.read_text("utf-8"))["stderr"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    verdict = _run_probe(flags_text)
+    if verdict is not None:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"flags": flags_text, "stderr": verdict}), "utf-8")
+            os.replace(tmp, cache)
+        except OSError:  # An unwritable cache costs a probe next time, nothing else.
+            pass
+    return verdict
+
+
+def check_xla_flags(flags: Mapping[str, str], variable: str = "XLA_FLAGS", path: str = "xla_flags") -> None:
+    """Raises ConfigError naming `<path>.<flag>` if the installed XLA refuses a flag of `flags`.
+
+    Only flags for XLA_FLAGS are checked (other variables go to other compilers). XLA
+    knows its flags only once a backend parses them, and an unknown name or a value
+    its flag's type cannot hold aborts the process with a fatal C++ line (a bad boolean
+    also prints the usage of every flag), so a separate CPU-only process starts XLA with
+    the flags and its stderr is read (`_run_probe`, a few seconds; the verdict is cached
+    per jaxlib version and flag set under $XDG_CACHE_HOME/axcore/xla_flags). XLA stops
+    at the first bad flag, so one is named. If the probe cannot run, a warning says so
+    and nothing is refused.
+    """
+    if variable != "XLA_FLAGS" or not flags:
+        return
+    text = format_xla_flags(dict(sorted(flags.items())), variable)
+    stderr = _probe(text)
+    if not stderr:
+        return
+    unknown, bad = _UNKNOWN.search(stderr), _BAD_VALUE.search(stderr)
+    if unknown:
+        name = unknown[1].removeprefix("--").split("=", 1)[0]
+        raise ConfigError(
+            f"'{path}.{name}' is not a flag the installed XLA (jaxlib) knows; check its spelling or remove it "
+            f"(XLA would abort at start-up)."
+        )
+    value, name = bad[1], bad[2]
+    kind = dict(_USAGE.findall(stderr)).get(name)
+    raise ConfigError(
+        f"'{path}.{name}': XLA cannot read {value!r} as the value of this flag"
+        f"{f' (type {kind})' if kind else ''}; {'use true or false' if kind == 'bool' else 'fix the value'}."
+    )
+
+
 __all__ = [
     "apply_runtime_environment",
     "apply_xla_flags",
     "check_flag_name",
+    "check_xla_flags",
     "flag_value",
     "format_xla_flags",
     "resolve_xla_flags",

@@ -7,7 +7,7 @@ import os
 import typing
 from typing import Annotated, Any
 
-from axcore.config import ConfigBase, InstantiableConfig, MaxLength, NonNegative, Positive, Range, Seed
+from axcore.config import ConfigBase, InstantiableConfig, MaxLength, NonNegative, Positive, Range, Seed, Size
 from axcore.config.base import coerce
 from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
 from axcore.learning.objectives import NextToken, Objective
@@ -45,8 +45,8 @@ class SampleConfig(ConfigBase):
 
     # Text the sample continues.
     prompt: str = "The "
-    # Number of tokens to generate; 0 disables sampling.
-    num_tokens: Annotated[int, NonNegative] = 200
+    # Number of tokens to generate, up to 65536; 0 disables sampling.
+    num_tokens: Annotated[int, Size(2**16, "a sample is a glance at the model; axcore generate writes longer text", 0)] = 200
     # Softmax temperature; 0 picks the most likely token.
     temperature: Annotated[float, NonNegative] = 0.8
     # Draw only among the k most likely tokens; None = all.
@@ -63,8 +63,8 @@ class WatchdogConfig(ConfigBase):
     dispatched. Every process of a multi-process job runs its own.
     """
 
-    # Seconds without progress (a loop iteration, eval or save) before all stacks go to <run_dir>/watchdog.log; 0: off.
-    step_timeout_s: Annotated[float, NonNegative] = 1800.0
+    # Seconds without progress (a loop iteration, eval or save) before all stacks go to <run_dir>/watchdog.log; null: off.
+    step_timeout_s: Annotated[float, Range(gt=0, hint="null turns the watchdog off")] | None = 1800.0
     # Seconds after that until the process exits with status 124 (a scheduler restarts it); 0 = only log, never exit.
     exit_timeout_s: Annotated[float, NonNegative] = 300.0
 
@@ -76,9 +76,10 @@ class TrainerConfig(ConfigBase):
     max_steps: Annotated[int, Positive] = 300
     # Evaluate on the held-out split every N steps (and at the end); 0 disables.
     eval_every: Annotated[int, NonNegative] = 100
-    # Held-out batches per evaluation (the eval split's first ones); 0 or null = the whole eval split.
+    # Held-out batches per evaluation (the eval split's first ones), up to 65536; 0 or null = the whole eval split.
     # A mixture's components are evaluated each alone, these batches split by weight (at least 1 each).
-    eval_batches: Annotated[int, NonNegative] | None = 8
+    eval_batches: Annotated[int, Size(2**16, "each evaluation inside training reads at most this many batches; "
+                                      "0 or null reads the whole eval split", 0)] | None = 8
     # Read metrics back from the device (record, progress, non-finite check) every N steps (and at eval/checkpoint/last).
     log_every: Annotated[int, Positive] = 10
     # Seed of parameter initialization and of per-step randomness (dropout).

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from axcore.config import ConfigBase, InstantiableConfig, NonNegative, Positive
+from axcore.config import ConfigBase, InstantiableConfig, LearningRate, NonNegative, Positive
 from axcore.errors import AxcoreError, ConfigError
 from axcore.learning.optimizers import AdamW, Optimizer
 from axcore.learning.schedules import Cosine, Schedule
@@ -48,8 +48,8 @@ class LearnerConfig(ConfigBase):
     optimizer: InstantiableConfig = AdamW.default_config()
     # Shape of the learning rate over the run: a registered schedule (constant, cosine, linear_decay, wsd, ...).
     schedule: InstantiableConfig = Cosine.default_config().set(warmup_steps=30)
-    # Peak learning rate (reached at the end of warmup).
-    learning_rate: Annotated[float, NonNegative] = 3e-3
+    # Peak learning rate (reached at the end of warmup): > 0 and at most 10; above 1 is warned about.
+    learning_rate: Annotated[float, LearningRate] = 3e-3
     # Decoupled weight decay, multiplied by the learning rate and by each parameter's weight_decay_scale.
     weight_decay: Annotated[float, NonNegative] = 0.1
     # Clip gradients to this global norm; None disables clipping.

@@ -96,7 +96,8 @@ class Watchdog:
     def for_run(cls, cfg, run_dir: str | os.PathLike, process_index: int = 0, process_count: int = 1) -> Watchdog:
         """The watchdog of one process of a run, from a `WatchdogConfig`, logging into `run_dir`."""
         name = "watchdog.log" if process_count == 1 else f"watchdog-{process_index}.log"
-        return cls(cfg.step_timeout_s, cfg.exit_timeout_s, pathlib.Path(run_dir) / name)
+        step_timeout_s = 0.0 if cfg.step_timeout_s is None else cfg.step_timeout_s  # null: off.
+        return cls(step_timeout_s, cfg.exit_timeout_s, pathlib.Path(run_dir) / name)
 
     def beat(self, step: int | None = None, activity: str = "training") -> None:
         """Progress: restarts the timeout. `step`: the last step done (None keeps the previous);

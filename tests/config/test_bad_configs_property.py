@@ -138,6 +138,18 @@ _STRUCTURAL = [
     ("input.source.type=token_file", "path"),
     ("trainer.learner.learning_rate=!!python/object/apply:os.system [echo]", "learning_rate"),
     ("model.dim=&a [*a]", "model.dim"),
+    # The reliability probe's cases (issue 34), mixed in with the others (those that start a probe process or
+    # load every installed plugin, XLA flags and unknown components, are in test_probe_cases.py: per-example deadline).
+    ("trainer.learner.learning_rate=1e308", "learning_rate"),
+    ("trainer.learner.learning_rate=1e-400", "learning_rate"),
+    ("mesh.instance_type=foo", "instance_type"),
+    ("mesh.mesh_shape=[15]", "mesh_shape"),
+    ("trainer.watchdog.step_timeout_s=0", "step_timeout_s"),
+    ("trainer.sample.num_tokens=100000000000", "num_tokens"),
+    ("trainer.eval_batches=1000000", "eval_batches"),
+    ("input.mixture=[]", "mixture"),
+    ("input.mixture=[{name: a}]", "mixture"),
+    ("input.mixture=[{name: '', source: {type: embedded_corpus}}]", "mixture"),
     ("model.dim=" + "[" * 200 + "]" * 200, "model.dim"),
 ]
 
