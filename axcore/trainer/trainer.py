@@ -398,7 +398,7 @@ class Trainer:
                 every = tcfg.checkpoint.every_n_steps
                 save = bool(every and step % every == 0) or last or stop
                 if not (step % tcfg.log_every == 0 or evaluate or save or last):
-                    continue  # No host sync: the device runs ahead.
+                    continue  # No value fetch: the device works on the queued step meanwhile.
                 checks, metrics = jax.device_get(([c for _, c in unchecked], metrics))
                 steps = step - fetched_step
                 step_time = (time.perf_counter() - interval_start) / steps

@@ -25,6 +25,7 @@ peft = pytest.importorskip("peft")
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("axcore_tokenizers")
 
+import hf_family_checks as checks  # noqa: E402
 from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from axcore.cli import main  # noqa: E402
@@ -59,15 +60,11 @@ def _chats(k):
     return {"messages": [{"role": "user", "content": f"Tell me about {a}."}, {"role": "assistant", "content": b}]}
 
 
-def _hf_model(seed=0):
-    config = transformers.LlamaConfig(vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                      num_key_value_heads=1, intermediate_size=64, rope_theta=5e5, **KEPT)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.15)
-    return model.float().eval()
+def _hf_model():
+    """The tiny Llama with the random weights of every family check (hf_family_checks.build)."""
+    return checks.build(transformers.LlamaConfig(
+        vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, rope_theta=5e5, **KEPT))
 
 
 @pytest.fixture(scope="module")
