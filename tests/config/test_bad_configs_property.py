@@ -186,6 +186,8 @@ def bad_experiments(draw):
             bad.append(text)
             names.append(name)
     good = draw(st.lists(st.sampled_from(_GOOD), max_size=2, unique=True))
+    # A valid value for a path a bad override sets would replace it (the last --set wins): not a bad experiment.
+    good = [g for g in good if g.split("=")[0] not in {b.split("=")[0] for b in bad}]
     overrides = draw(st.permutations(good + bad))
     return list(overrides), names
 

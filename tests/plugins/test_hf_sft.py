@@ -200,7 +200,7 @@ def test_chat_refusals_are_one_line_exit_2(setup, tmp_path, capsys):
     bad.write_text(json.dumps({"messages": _conversation(1)}) + "\n"
                    + json.dumps({"messages": [{"role": "user", "content": "Anyone?"}]}) + "\n")
     assert main(["prepare", str(bad), "-o", str(tmp_path / "prepared"), "--format", "chat"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("prepare: ")]  # Its plan.
     assert len(err) == 1 and "bad.jsonl' line 2" in err[0] and "no assistant message" in err[0], err
     # A run whose tokenizer (bytes) has no chat template and that did not train on chat data.
     import tiny
