@@ -441,10 +441,8 @@ def prepare(
             records[i] = record
             progress.skipped(record, unit["bytes"])
     count = min(workers or os.cpu_count() or 1, len(pending))
-    progress.say(
-        f"{len(files)} files, {progress.total_bytes / 1e6:.1f} MB in {len(units)} shards ({len(units) - len(pending)} "
-        f"done before), tokenizer {type(built).__name__}, {max(count, 1)} worker{'s' * (count > 1)}"
-    )
+    progress.say(f"{len(files)} files, {progress.total_bytes / 1e6:.1f} MB in {len(units)} shards ({len(units) - len(pending)}"
+                 f" done before), tokenizer {type(built).__name__}, {max(count, 1)} worker{'s' * (count > 1)}")
     if count <= 1:
         with _one_thread_tokenizers():
             tok, template = _build(spec)
