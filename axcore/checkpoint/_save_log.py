@@ -14,7 +14,14 @@ hundreds of lines before the one that says what happened.
   into the file, with their tracebacks; other libraries' records are untouched;
 - unraisable exceptions reported on threads other than the main thread (Python's
   `sys.unraisablehook`, which C++ callback threads report through) into the file;
-  those of the main thread go to the previous hook as before.
+  those of the main thread go to the previous hook as before;
+- asyncio's reports of orbax's failed writes ("Task exception was never retrieved",
+  logged through the `asyncio` logger when the task is garbage-collected): records whose
+  exception's traceback passes through orbax. Such tasks, and the futures TensorStore
+  completed with the write's error (no Python frames), are often collected only at
+  exit, so when the block exits with an exception a filter stays on the `asyncio`
+  logger that moves every record carrying an exception (the process is about to report
+  the failure and exit; the next `save_reports_to` replaces it).
 
 The file is created at its first report (so a run without failures has none) and
 appended to; if it cannot be written (the disk that is full), reports are dropped.
@@ -25,6 +32,7 @@ Process-wide (logging and the hook are), one at a time.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import logging
 import os
@@ -36,6 +44,8 @@ from collections.abc import Iterator
 
 # The logger orbax logs through (absl's Python logging).
 _LOGGER = "absl"
+# The logger asyncio reports exceptions nobody retrieved through.
+_ASYNCIO_LOGGER = "asyncio"
 _FORMAT = logging.Formatter("%(asctime)s %(levelname)s [%(threadName)s] %(pathname)s:%(lineno)d: %(message)s")
 
 
@@ -74,7 +84,36 @@ class _Report(logging.Filter):
         self.write(f"Unraisable exception on thread {threading.current_thread().name}{where}:\n" + "".join(lines))
 
 
+class _AsyncioReport(logging.Filter):
+    """Moves asyncio's records whose exception's traceback passes through orbax (any, after a failure) to the file."""
+
+    def __init__(self, report: _Report):
+        super().__init__()
+        self.report = report
+        self.after_failure = False  # Set when the block failed: every record with an exception is moved.
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None or not (self.after_failure or _passes_through(error, self.report.package_dirs)):
+            return True
+        self.report.write(_FORMAT.format(record))
+        return False
+
+
+def _passes_through(error: BaseException, package_dirs: tuple[str, ...]) -> bool:
+    """Whether a frame of `error`'s traceback (or of its causes') is in one of `package_dirs`."""
+    seen = set()
+    while error is not None and id(error) not in seen and package_dirs:
+        seen.add(id(error))
+        for frame, _ in traceback.walk_tb(error.__traceback__):
+            if os.path.abspath(frame.f_code.co_filename).startswith(package_dirs):
+                return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 _active: _Report | None = None
+_lingering: _AsyncioReport | None = None  # The asyncio filter a failed block left on; replaced by the next block's.
 
 
 def _orbax_dirs() -> tuple[str, ...]:
@@ -93,19 +132,29 @@ def checkpoint_log_file(run_dir: str | os.PathLike, process_index: int = 0, proc
 @contextlib.contextmanager
 def save_reports_to(path: str | os.PathLike) -> Iterator[None]:
     """Moves orbax's and background threads' failure reports into the file `path` while active (module docstring)."""
-    global _active
+    global _active, _lingering
     report = _Report(pathlib.Path(path), _orbax_dirs())
     previous = sys.unraisablehook
-    logger = logging.getLogger(_LOGGER)
+    logger, asyncio_logger, asyncio_report = logging.getLogger(_LOGGER), logging.getLogger(_ASYNCIO_LOGGER), _AsyncioReport(report)
     logger.addFilter(report)
+    asyncio_logger.removeFilter(_lingering)
+    asyncio_logger.addFilter(asyncio_report)
     sys.unraisablehook = lambda unraisable: report.unraisable(previous, unraisable)
     _active = report
+    failed = True
     try:
         yield
+        failed = False
     finally:
+        gc.collect()  # Orbax's abandoned tasks report now, while the file is set.
         _active = None
         sys.unraisablehook = previous
         logger.removeFilter(report)
+        if failed:  # Tasks and futures collected later still report to the file (module docstring).
+            asyncio_report.after_failure = True
+            _lingering = asyncio_report
+        else:
+            asyncio_logger.removeFilter(asyncio_report)
 
 
 def report_hint() -> str:

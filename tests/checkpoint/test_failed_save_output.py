@@ -101,3 +101,45 @@ def _unraisable(message):
     except RuntimeError as e:
         return types.SimpleNamespace(exc_type=RuntimeError, exc_value=e, exc_traceback=e.__traceback__, err_msg=None,
                                      object=None)
+
+
+def _abandoned_orbax_task_error():
+    """Runs a task that fails in a function whose code lies in orbax's folder, and drops it unretrieved."""
+    import asyncio
+
+    import orbax.checkpoint
+
+    namespace = {}
+    fake = os.path.join(os.path.dirname(orbax.checkpoint.__file__), "fake_serialization.py")
+    exec(compile("async def write():\n    raise ValueError('OUT_OF_RANGE: File too large')\n", fake, "exec"), namespace)
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(namespace["write"]())
+    loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+    del task  # Garbage-collected with its exception unretrieved: asyncio logs "Task exception was never retrieved".
+
+
+def test_abandoned_orbax_tasks_go_to_the_file_also_after_a_failed_block(tmp_path):
+    asyncio_logger, seen = logging.getLogger("asyncio"), []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    asyncio_logger.addHandler(handler)
+    try:
+        with pytest.raises(RuntimeError), save_reports_to(tmp_path / "first.log"):
+            raise RuntimeError("the save failed")
+        _abandoned_orbax_task_error()  # After the failed block: still moved.
+        asyncio_logger.error("a future's error without frames", exc_info=ValueError("tensorstore"))  # Moved too.
+        asyncio_logger.error("asyncio's own report")  # No exception: left alone.
+        with save_reports_to(tmp_path / "second.log"):
+            _abandoned_orbax_task_error()  # While active: moved.
+            asyncio_logger.error("another library's asyncio report", exc_info=ValueError("not orbax"))
+        _abandoned_orbax_task_error()  # After a block that ended well: left alone.
+    finally:
+        asyncio_logger.removeHandler(handler)
+    first, second = (tmp_path / "first.log").read_text(), (tmp_path / "second.log").read_text()
+    assert "never retrieved" in first and "File too large" in first and "fake_serialization.py" in first
+    assert "a future's error without frames" in first and "ValueError: tensorstore" in first
+    assert "never retrieved" in second and "another library" not in second
+    assert [r.getMessage().splitlines()[0] for r in seen] == [
+        "asyncio's own report", "another library's asyncio report", "Task exception was never retrieved"
+    ]
