@@ -1,4 +1,6 @@
-"""NumPy formulas shared by tests (imported as `numpy_ref`; tests/ is on sys.path)."""
+"""NumPy formulas that tests compare axcore's layers with, written from their definitions."""
+
+from __future__ import annotations
 
 import math
 
@@ -8,7 +10,7 @@ from axcore.layers import Activation
 
 _erf = np.vectorize(math.erf)
 
-# The activations of `axcore.layers.Activation`, written from their definitions.
+# The activations of `axcore.layers.Activation` (elementwise, any shape, float64 NumPy arrays in and out).
 NP_ACTIVATIONS = {
     Activation.RELU: lambda x: np.maximum(x, 0.0),
     Activation.GELU: lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),

@@ -36,8 +36,11 @@ def load_tiny_experiment(
     return load_experiment(source, [*TINY_OVERRIDES, listed, *overrides], objects=dict(objects or {}))
 
 
-def train_steps(experiment: Experiment, steps: int = 3, learning_rate: float = 0.1, seed: int = 0) -> list[float]:
-    """`steps` plain SGD steps of the experiment's model on its first training batch; returns the losses.
+def train_params(
+    experiment: Experiment, steps: int = 3, learning_rate: float = 0.1, seed: int = 0
+) -> tuple[Any, list[float]]:
+    """`steps` plain SGD steps of the experiment's model on its first training batch, from parameters
+    initialized with `jax.random.key(seed)`; returns (the final parameter tree, the `steps` losses).
 
     Raises AssertionError if a loss is not finite.
     """
@@ -58,4 +61,12 @@ def train_steps(experiment: Experiment, steps: int = 3, learning_rate: float = 0
         params, loss = step(params)
         losses.append(float(loss))
     assert np.all(np.isfinite(losses)), f"non-finite training losses: {losses}"
-    return losses
+    return params, losses
+
+
+def train_steps(experiment: Experiment, steps: int = 3, learning_rate: float = 0.1, seed: int = 0) -> list[float]:
+    """The losses of `train_params(experiment, steps, learning_rate, seed)`.
+
+    Raises AssertionError if a loss is not finite.
+    """
+    return train_params(experiment, steps, learning_rate, seed)[1]

@@ -25,7 +25,7 @@ from axcore.plugin.loading import create_plugin_manager
 import axcore_gpu.plugin
 from axcore_gpu import CudnnAttention, cuda_compute_capability, dot_product_attention_arguments
 
-GPU_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2] / "axcore_gpu"
+GPU_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
 HOPPER = CudnnAttention(compute_capability=(9, 0))
 AMPERE = CudnnAttention(compute_capability=(8, 0))
 # Float32 on CPU: the mapping itself must be exact up to float32 rounding.

@@ -28,14 +28,13 @@ import pytest
 from axcore.data import Split
 from axcore.experiment import load_experiment
 from axcore.kernels import dot_problem, record_kernel_choices
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import Trainer
 
 import axcore_gpu.fp8_plugin
 from axcore_gpu.fp8_dot import Fp8Dot
 
-import tiny
-
-PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2] / "axcore_gpu"
+PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 # Weight layouts: (w shape, contract): a Linear, a q projection, an output projection, a tied head.
 LAYOUTS = [((64, 48), (0,)), ((64, 4, 16), (0,)), ((4, 16, 48), (0, 1)), ((48, 64), (1,))]
@@ -316,7 +315,7 @@ def test_short_bfloat16_training_run_with_fp8_reduces_the_loss(tmp_path):
     steps = 25
     exp = load_experiment(
         None,
-        [*tiny.TINY, "model.compute_dtype=bfloat16", "plugins=[fp8]", f"trainer.run_dir={tmp_path}",
+        [*TINY_OVERRIDES, "model.compute_dtype=bfloat16", "plugins=[fp8]", f"trainer.run_dir={tmp_path}",
          "trainer.learner.schedule.warmup_steps=2", "trainer.learner.learning_rate=1e-2",
          f"trainer.max_steps={steps}"],
         objects={"fp8": axcore_gpu.fp8_plugin},

@@ -6,8 +6,6 @@ interpret mode (`PallasRMSNorm(interpret=True)`), and their Triton path is check
 lowering for CUDA (Pallas -> Triton IR) without a GPU.
 """
 
-import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,21 +16,23 @@ from jax.sharding import AbstractMesh
 import axcore
 from axcore.experiment import load_experiment
 from axcore.kernels import RMSNormProblem, record_kernel_choices, rms_norm_problem
+from axcore.testing import (  # The op's oracle, one copy
+    RMS_NORM_CASES,
+    RMS_NORM_EPS,
+    TINY_OVERRIDES,
+    check_rms_norm,
+    train_params,
+)
 
 import axcore_gpu.plugin
 from axcore_gpu.fused_norm import MAX_DIM, FusedVjpRMSNorm, PallasRMSNorm
-
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "kernels"))
-from test_rms_norm import CASES, EPS, check_against_numpy  # The op's oracle, one copy
-
-from tiny import TINY, train_steps
 
 BF16 = np.dtype(jnp.bfloat16)
 
 
 def gpu_problem(shape=(8, 2048, 2048), dtype=BF16, **fields):
     """A GPU problem: bfloat16 x of `shape` with a float32 scale, changed by `fields`."""
-    base = dict(platform="gpu", shape=shape, dtype=np.dtype(dtype), scale_dtype=np.dtype(np.float32), eps=EPS)
+    base = dict(platform="gpu", shape=shape, dtype=np.dtype(dtype), scale_dtype=np.dtype(np.float32), eps=RMS_NORM_EPS)
     return RMSNormProblem(**{**base, **fields})
 
 
@@ -74,16 +74,16 @@ def _through(kernel):
     """fn(x, scale) running `kernel` on the problem of its arguments (jitted)."""
 
     def fn(x, scale):
-        problem = rms_norm_problem(x, scale, eps=EPS)
+        problem = rms_norm_problem(x, scale, eps=RMS_NORM_EPS)
         assert kernel.is_supported(problem), kernel.is_supported(problem).reason
         return kernel(problem, x, scale)
 
     return jax.jit(fn)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", RMS_NORM_CASES)
 def test_fused_vjp_matches_numpy(case):
-    check_against_numpy(_through(FusedVjpRMSNorm()), *CASES[case])
+    check_rms_norm(_through(FusedVjpRMSNorm()), *RMS_NORM_CASES[case])
 
 
 # Row tiles of 4 (and 2): row counts off the tile grid (9 * 4 = 36 rows, 33, 5); at most 3
@@ -96,9 +96,9 @@ PALLAS = {
 
 
 @pytest.mark.parametrize("kernel", PALLAS)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", RMS_NORM_CASES)
 def test_pallas_interpret_matches_numpy(case, kernel):
-    check_against_numpy(_through(PALLAS[kernel]), *CASES[case])
+    check_rms_norm(_through(PALLAS[kernel]), *RMS_NORM_CASES[case])
 
 
 # name -> (shape of x, dtype)
@@ -114,7 +114,7 @@ def test_forward_and_backward_lower_to_triton_for_cuda(case):
     shape, dtype = LOWERINGS[case]
     x, scale = jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct(shape[-1:], jnp.float32)
     kernel = PallasRMSNorm()
-    problem = rms_norm_problem(x, scale, eps=EPS, platform="gpu")
+    problem = rms_norm_problem(x, scale, eps=RMS_NORM_EPS, platform="gpu")
 
     def loss(x, scale):
         return jnp.sum(kernel(problem, x, scale).astype(jnp.float32))
@@ -133,7 +133,7 @@ FORCE_PALLAS = ["model.decoder.layer.norm.kernels={rms_norm: pallas}", "model.fi
 
 @pytest.mark.parametrize("overrides", [FORCE_PALLAS, ["model.kernels={rms_norm: pallas}"]], ids=["per norm", "model"])
 def test_overrides_route_every_norm_of_a_gpu_experiment_to_pallas(overrides):
-    gpu = [*TINY, "mesh.instance_type=gpu-h100-8"]
+    gpu = [*TINY_OVERRIDES, "mesh.instance_type=gpu-h100-8"]
     exp = load_experiment(None, [*gpu, *overrides], objects={"gpu": axcore_gpu.plugin})
     assert {k: sorted(v) for k, v in exp.kernel_choices()["rms_norm"].items()} == {"pallas": NORM_SITES}
     unforced = load_experiment(None, gpu, objects={"gpu": axcore_gpu.plugin})
@@ -153,11 +153,11 @@ class InterpretPallas:
 def test_a_model_forced_onto_a_kernel_trains_like_the_reference(kernel):
     objects = {"gpu": axcore_gpu.plugin} if kernel == "fused_vjp" else {"interpret": InterpretPallas()}
     plugin = next(iter(objects))
-    overrides = [*TINY, f"plugins=[{plugin}]", f"model.kernels={{rms_norm: {kernel}}}"]
+    overrides = [*TINY_OVERRIDES, f"plugins=[{plugin}]", f"model.kernels={{rms_norm: {kernel}}}"]
     forced = load_experiment(None, overrides, objects=objects)
     with record_kernel_choices() as choices:
-        _, losses = train_steps(forced, steps=2)
+        _, losses = train_params(forced, steps=2)
     # A site is recorded once per trace (a GPU run traces the step more than once): compare the sites.
     assert {k: sorted(set(v)) for k, v in choices["rms_norm"].items()} == {kernel: NORM_SITES}
-    _, want = train_steps(load_experiment(None, TINY), steps=2)
+    _, want = train_params(load_experiment(None, TINY_OVERRIDES), steps=2)
     np.testing.assert_allclose(losses, want, rtol=1e-5)

@@ -16,7 +16,7 @@ from axcore.experiment import ExperimentConfig, load_experiment
 import axcore_gpu.plugin
 from axcore_gpu import bfloat16_compute, gpu_mesh_rules
 
-PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2] / "axcore_gpu"
+PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 OBJECTS = {"gpu": axcore_gpu.plugin}
 BF16 = np.dtype("bfloat16")

@@ -3,7 +3,7 @@
 import pathlib
 import sys
 
-NEURON_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2] / "axcore_neuron"
+NEURON_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 if str(NEURON_PACKAGE_ROOT) not in sys.path:
     sys.path.insert(0, str(NEURON_PACKAGE_ROOT))

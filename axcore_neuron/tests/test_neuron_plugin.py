@@ -19,7 +19,7 @@ from axcore.plugin.loading import create_plugin_manager
 import axcore_neuron.plugin
 from axcore_neuron import neuron_mesh_rules, remat_transformer_layers, tensor_parallel
 
-PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2] / "axcore_neuron"
+PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 OBJECTS = {"neuron": axcore_neuron.plugin}
 BF16 = np.dtype("bfloat16")

@@ -3,7 +3,7 @@
 import pathlib
 import sys
 
-TPU_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2] / "axcore_tpu"
+TPU_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 if str(TPU_PACKAGE_ROOT) not in sys.path:
     sys.path.insert(0, str(TPU_PACKAGE_ROOT))

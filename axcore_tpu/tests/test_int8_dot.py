@@ -32,15 +32,14 @@ from axcore.data import Split
 from axcore.experiment import load_experiment
 from axcore.kernels import dot_problem, record_kernel_choices
 from axcore.plugin.loading import create_plugin_manager
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import Trainer
 
 import axcore_tpu.int8_plugin
 import axcore_tpu.plugin
 from axcore_tpu.int8_dot import MAX_CONTRACTED, Int8Dot
 
-import tiny
-
-PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2] / "axcore_tpu"
+PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Weight layouts: (w shape, contract): a Linear, a q projection, an output projection, a tied head.
 LAYOUTS = [((64, 48), (0,)), ((64, 4, 16), (0,)), ((4, 16, 48), (0, 1)), ((48, 64), (1,))]
 
@@ -242,7 +241,7 @@ def test_short_bfloat16_training_run_with_int8_reduces_the_loss(tmp_path):
     steps = 20
     exp = load_experiment(
         None,
-        [*tiny.TINY, "model.compute_dtype=bfloat16", "plugins=[int8]", f"trainer.run_dir={tmp_path}",
+        [*TINY_OVERRIDES, "model.compute_dtype=bfloat16", "plugins=[int8]", f"trainer.run_dir={tmp_path}",
          "trainer.learner.schedule.warmup_steps=2", "trainer.learner.learning_rate=1e-2",
          f"trainer.max_steps={steps}"],
         objects={"int8": axcore_tpu.int8_plugin},

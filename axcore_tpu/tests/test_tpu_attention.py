@@ -35,7 +35,7 @@ from axcore.registry import Provenance
 from axcore_tpu.flash_attention import PallasTpuAttention
 from axcore_tpu.splash_attention import SplashAttention, segment_ids_with_mask, splash_mask
 
-TPU_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2] / "axcore_tpu"
+TPU_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Float32 inputs: float32 rounding only (the kernels' online softmax sums in another order, and
 # splash's q is pre-scaled); observed up to 3e-6 relative to the largest value.
 F32_TOL = 2e-5

@@ -19,6 +19,7 @@ from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
 from axcore.layers.base import checkpoint_policy
 from axcore.plugin.loading import create_plugin_manager
+from axcore.testing import TINY_OVERRIDES
 
 import axcore_tpu.plugin
 from axcore_tpu.instance_types import (
@@ -31,9 +32,7 @@ from axcore_tpu.mesh_rules import tpu_mesh_rules, tpu_slices
 from axcore_tpu.remat import OFFLOAD_POLICY, offload_policy, remat_offload
 from axcore_tpu.xla_flags import tpu_xla_flags
 
-import tiny
-
-PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2] / "axcore_tpu"
+PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 OBJECTS = {"tpu": axcore_tpu.plugin}
 BF16 = np.dtype("bfloat16")
@@ -258,7 +257,7 @@ def test_layers_run_under_the_offloading_policy_string():
     overrides = [
         "mesh.instance_type=cpu-1", "model.kernels={dot: xla}", f"model.decoder.layer.remat_policy={OFFLOAD_POLICY}"
     ]
-    exp = load_experiment("scan", [*tiny.TINY, *overrides])
+    exp = load_experiment("scan", [*TINY_OVERRIDES, *overrides])
     model = exp.config.model.instantiate(name="model", registries=exp.registries)
     params = jax.eval_shape(model.initialize, jax.random.key(0))
     batch = next(exp.config.input.make_iterator(Split.TRAIN))

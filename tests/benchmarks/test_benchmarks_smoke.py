@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MACHINE_KEYS = {"cpu_model", "cores", "python", "jax_version", "backend", "device_kind", "device_count"}
 BENCHMARKS = [
     "step_time", "utilization", "memory", "compile_time", "startup", "checkpoint_io", "checkpoint_blocking",

@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks import gpu_step, llama_jax
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONTENDER_KEYS = {
     "num_params", "compile_s", "step_time_s", "tokens_per_s", "mfu", "mfu_full_square", "peak_bytes_in_use",
     "compiled_memory", "first_step_loss", "losses", "dots",

@@ -22,7 +22,7 @@ import pytest
 
 from benchmarks import profile_summary
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Two kernels on a stream line that starts 100 ns into the session: loop_add_fusion_3 at
 # 1100 ns for 3000 ns (hlo_op "fusion.3" by value, hlo_module by reference to stat metadata 3,

@@ -24,20 +24,17 @@ import tempfile
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 from axcore.experiment import load_experiment
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.trainer import Trainer
-
-import tiny
 
 MESHES = {"2x2x2": {"data": 2, "fsdp": 2, "tensor": 2}, "1": {"data": 1}, "fsdp4_tensor2": {"fsdp": 4, "tensor": 2}}
 
 
 def trainer(run_dir: str, backend: str, mesh: dict[str, int], steps: int) -> Trainer:
     overrides = [
-        *tiny.TINY,
+        *TINY_OVERRIDES,
         f"trainer.run_dir={run_dir}",
         f"trainer.max_steps={steps}",
         "trainer.log_every=1",

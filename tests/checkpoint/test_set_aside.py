@@ -192,12 +192,11 @@ def test_trainer_saves_the_step_again_after_setting_it_aside(tmp_path):
     import shutil
 
     from axcore.experiment import load_experiment
+    from axcore.testing import TINY_OVERRIDES
     from axcore.trainer.trainer import Trainer
 
-    import tiny
-
     args = [
-        *tiny.TINY,
+        *TINY_OVERRIDES,
         f"trainer.run_dir={tmp_path / 'run'}",
         "trainer.checkpoint.backend=orbax",
         "trainer.checkpoint.every_n_steps=5",

@@ -11,7 +11,7 @@ from axcore.cli import COMMANDS, main
 from axcore.experiment import builtin_experiments
 from axcore.plugin.commands import BUILTIN_COMMANDS
 
-GOLDEN = pathlib.Path(__file__).parent / "golden"
+GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 # Fixed so the golden files do not depend on how many devices this machine has.
 FIXED_MESH = ["--set", "mesh.instance_type=cpu-1"]
 # Vocabulary of the built-in experiments shaped like published models (the others are byte-level).

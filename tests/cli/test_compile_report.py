@@ -90,7 +90,7 @@ def test_llama3_70b_resolves_and_counts_70_6b_parameters(capsys):
 
 def test_the_131k_long_context_experiment_is_a_1b_llama_with_its_three_rules():
     """benchmarks/README.md's 131k report compiles this file; its shape and rules, without compiling."""
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "experiments" / "llama3_1b_128k.yaml"
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "experiments" / "llama3_1b_128k.yaml"
     exp = load_experiment(str(path), ["mesh.instance_type=cpu-8"])
     cfg = exp.config
     assert (cfg.input.batch_size, cfg.input.seq_len, cfg.model.loss_chunk_len) == (1, 131072, 4096)

@@ -6,22 +6,17 @@ device, and the sharding of every KV-cache leaf the prefill returns on the mesh.
 """
 
 import json
-import os
-import sys
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 from axcore.experiment import load_experiment
 from axcore.generation import Generator
 from axcore.module import functional
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import Trainer
 
-import tiny
-
-MODEL = [*tiny.TINY, "plugins=[rope]", "model.decoder.layer.self_attention.num_heads=4",
+MODEL = [*TINY_OVERRIDES, "plugins=[rope]", "model.decoder.layer.self_attention.num_heads=4",
          "model.decoder.layer.self_attention.num_kv_heads=2"]
 MESH = ["mesh.mesh_shape=[2,2,2]", "mesh.mesh_axis_names=[data,fsdp,tensor]"]
 PROMPTS = [np.array(p, np.int32) for p in ([72, 101, 108], [84], [87, 104, 97, 116, 32], [65, 66])]

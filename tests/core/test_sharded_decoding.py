@@ -6,14 +6,14 @@ import pathlib
 
 import pytest
 
-import tiny
+from axcore.testing import run_host_device_worker
 
 WORKER = pathlib.Path(__file__).parent / "sharded_decoding_worker.py"
 
 
 @pytest.fixture(scope="module")
 def results():
-    return tiny.run_host_device_worker(WORKER, timeout=300)
+    return run_host_device_worker(WORKER, timeout=300)
 
 
 def test_sharded_greedy_decoding_matches_one_device(results):

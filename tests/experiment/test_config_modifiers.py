@@ -24,11 +24,10 @@ from axcore.kernels import XlaAttention
 from axcore.layers import BaseLayer, CausalLM
 from axcore.layers.base import checkpoint_policy
 from axcore.plugin.loading import create_plugin_manager
-
-from tiny import TINY
+from axcore.testing import TINY_OVERRIDES
 
 BF16 = np.dtype("bfloat16")
-FIXED = [*TINY, "mesh.instance_type=cpu-1"]
+FIXED = [*TINY_OVERRIDES, "mesh.instance_type=cpu-1"]
 
 
 @pytest.fixture(scope="module")

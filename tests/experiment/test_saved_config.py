@@ -96,7 +96,7 @@ def test_a_resolved_config_keeps_its_plugins(tmp_path):
 # with each feature plugin in at least one (rope and alibi both fill the position-embedding
 # slot; remat needs a scanned stack; the llama experiments configure rope themselves).
 FEATURES = {"alibi", "lora", "moe", "remat", "rope", "swiglu"}
-PLUGINS_DIR = pathlib.Path(__file__).parents[1] / "plugins"
+PLUGINS_DIR = pathlib.Path(__file__).parents[2] / "plugins"
 # Plugin directories that hold no model feature (they add tokenizers, converters (model families included) or an
 # objective, not config transforms of the model).
 NOT_FEATURES = {"dpo", "hf", "moe_families", "tokenizers", "qwen", "gemma"}

@@ -16,12 +16,11 @@ from axcore.data.device_loader import shard_layout
 from axcore.inference.evaluation import evaluate_run, windows
 from axcore.inference.run_loading import load_model
 from axcore.observe import read_jsonl_metrics
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.inputs import input_pipeline
 from axcore.trainer.trainer import Trainer
 
-import tiny
-
-TRAIN = [*tiny.TINY, "trainer.max_steps=3", "trainer.eval_every=3", "trainer.eval_batches=2",
+TRAIN = [*TINY_OVERRIDES, "trainer.max_steps=3", "trainer.eval_every=3", "trainer.eval_batches=2",
          "trainer.sample.num_tokens=0", "trainer.metrics_writers=[{type: jsonl}]"]
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
         "of a wife. However little known the feelings or views of such a man may be on his first entering a "

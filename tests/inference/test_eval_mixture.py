@@ -15,10 +15,9 @@ from axcore.data import Split
 from axcore.inference.evaluation import evaluate_run
 from axcore.inference.run_loading import load_model
 from axcore.observe import read_jsonl_metrics
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.inputs import input_pipeline
 from axcore.trainer.step import TrainStep
-
-import tiny
 
 NOTES = "{type: text_files, paths: [%s], eval_fraction: 0.5}"
 
@@ -36,7 +35,7 @@ def mixed_run(tmp_path_factory):
     notes = _notes(root / "notes")
     run = root / "run"
     overrides = [
-        *tiny.TINY, "trainer.max_steps=2", "trainer.eval_every=2", "trainer.eval_batches=4", "trainer.log_every=1",
+        *TINY_OVERRIDES, "trainer.max_steps=2", "trainer.eval_every=2", "trainer.eval_batches=4", "trainer.log_every=1",
         "trainer.sample.num_tokens=0", "trainer.metrics_writers=[{type: jsonl}]", f"trainer.run_dir={run}",
         f"input.mixture=[{{name: book, weight: 3, source: {{type: embedded_corpus}}}}, "
         f"{{name: notes, weight: 1, source: {notes}}}]",

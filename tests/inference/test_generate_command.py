@@ -12,10 +12,9 @@ import pytest
 from axcore.cli import main
 from axcore.inference.run_loading import load_model
 from axcore.module import functional
+from axcore.testing import TINY_OVERRIDES
 
-import tiny
-
-TRAIN = [*tiny.TINY, "trainer.max_steps=3", "trainer.eval_every=0", "trainer.sample.num_tokens=0",
+TRAIN = [*TINY_OVERRIDES, "trainer.max_steps=3", "trainer.eval_every=0", "trainer.sample.num_tokens=0",
          "trainer.metrics_writers=[{type: jsonl}]"]
 
 

@@ -12,11 +12,10 @@ from axcore.checkpoint import CheckpointError
 from axcore.cli import main
 from axcore.experiment import load_experiment
 from axcore.inference.run_loading import load_model, save_model
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import Trainer
 
-import tiny
-
-SETTINGS = [*tiny.TINY, "trainer.max_steps=3", "trainer.checkpoint.every_n_steps=3", "trainer.eval_every=0",
+SETTINGS = [*TINY_OVERRIDES, "trainer.max_steps=3", "trainer.checkpoint.every_n_steps=3", "trainer.eval_every=0",
             "trainer.sample.num_tokens=0", "trainer.metrics_writers=[{type: jsonl}]", "trainer.log_every=1",
             "mesh.instance_type=cpu-1"]
 

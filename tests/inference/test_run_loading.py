@@ -12,11 +12,10 @@ from axcore.checkpoint import CheckpointError
 from axcore.cli import main
 from axcore.experiment import load_experiment
 from axcore.inference.run_loading import LoadedModel, RunLoadError, load_model, locate_run, save_model
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import Trainer
 
-import tiny
-
-TRAIN = [*tiny.TINY, "trainer.max_steps=4", "trainer.checkpoint.every_n_steps=2", "trainer.checkpoint.keep_last_n=null",
+TRAIN = [*TINY_OVERRIDES, "trainer.max_steps=4", "trainer.checkpoint.every_n_steps=2", "trainer.checkpoint.keep_last_n=null",
          "trainer.eval_every=0", "trainer.sample.num_tokens=0", "trainer.metrics_writers=[{type: jsonl}]"]
 
 
@@ -106,7 +105,7 @@ def test_tensorstore_run_loads_through_its_backend(tmp_path, monkeypatch):
 
 
 def test_save_model_writes_a_run_that_loads_and_a_params_only_checkpoint_loads(tmp_path):
-    exp = load_experiment(None, [*tiny.TINY, "mesh.instance_type=cpu-1"])
+    exp = load_experiment(None, [*TINY_OVERRIDES, "mesh.instance_type=cpu-1"])
     params = exp.config.model.instantiate(name="model", registries=exp.registries).initialize(jax.random.key(3))
     save_model(exp, params, tmp_path / "saved", step=7)
     loaded = load_model(tmp_path / "saved")

@@ -18,15 +18,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -127,12 +124,11 @@ def train(extra: list[str], shape: dict[str, int], initial=None):
     from axcore.data import Split
     from axcore.experiment import load_experiment
     from axcore.kernels import describe_kernel_choices, record_kernel_choices
+    from axcore.testing import TINY_OVERRIDES
     from axcore.trainer.trainer import Trainer
 
-    import tiny
-
     overrides = [
-        *tiny.TINY, f"trainer.max_steps={STEPS}", "trainer.learner.schedule.warmup_steps=2",
+        *TINY_OVERRIDES, f"trainer.max_steps={STEPS}", "trainer.learner.schedule.warmup_steps=2",
         "model.decoder.layer.self_attention.num_heads=4", "model.decoder.layer.self_attention.num_kv_heads=2",
         f"mesh.mesh_shape=[{','.join(map(str, shape.values()))}]", f"mesh.mesh_axis_names=[{','.join(shape)}]", *extra,
     ]

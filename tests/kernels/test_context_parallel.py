@@ -23,8 +23,7 @@ from axcore.kernels import AttentionProblem, Support, XlaAttention, op_environme
 from axcore.kernels.attention import ZIGZAG_EXTRA, zigzag_permutation
 from axcore.kernels.attention_context import context_layout, zigzag_layout
 from axcore.layers import MultiheadAttention
-
-import tiny
+from axcore.testing import TINY_OVERRIDES, run_host_device_worker
 
 WORKER = pathlib.Path(__file__).parent / "context_parallel_worker.py"
 # Output and gradient error allowed (float32, relative to the largest reference value).
@@ -37,7 +36,7 @@ KERNEL_CASES = ["causal", "causal_balanced_gqa_segments_window"]
 
 @pytest.fixture(scope="module")
 def results():
-    return tiny.run_host_device_worker(WORKER, timeout=600)
+    return run_host_device_worker(WORKER, timeout=600)
 
 
 @pytest.mark.slow
@@ -196,9 +195,8 @@ def test_zigzag_reordered_model_input_keeps_the_loss(monkeypatch):
     (the gradients of the context kernels are checked on 8 devices above)."""
     from axcore.layers import CausalLM
 
-    import tiny
 
-    exp = load_experiment(None, [*tiny.TINY, "plugins=[rope]", "model.num_layers=1", "model.decoder.layer.self_attention.num_kv_heads=1"])
+    exp = load_experiment(None, [*TINY_OVERRIDES, "plugins=[rope]", "model.num_layers=1", "model.decoder.layer.self_attention.num_kv_heads=1"])
     model = exp.config.model.instantiate(name="model", registries=exp.registries)
     params = model.initialize(jax.random.key(0))
     rng = np.random.default_rng(0)

@@ -13,8 +13,7 @@ from axcore.config import replace
 from axcore.kernels import XlaAttention, describe_kernel_choices
 from axcore.layers import MultiheadAttention
 from axcore.platform.mesh import MeshRule
-
-from tiny import TINY
+from axcore.testing import TINY_OVERRIDES
 
 
 class FastAttention(XlaAttention):
@@ -40,7 +39,7 @@ class FakeHardware:
 
 def test_selected_instance_type_loads_its_platforms_plugin_for_kernels_and_mesh_rules_only():
     objects = {"fakehw": FakeHardware()}
-    exp = axcore.load_experiment(None, [*TINY, "mesh.instance_type=fakehw-x1-8"], objects=objects)
+    exp = axcore.load_experiment(None, [*TINY_OVERRIDES, "mesh.instance_type=fakehw-x1-8"], objects=objects)
     assert exp.config.mesh.rule == "fakehw-x1"
     info = next(i for i in exp.plugin_manager.plugins if i.name == "fakehw")
     assert info.source == "platform" and not info.listed
@@ -49,16 +48,16 @@ def test_selected_instance_type_loads_its_platforms_plugin_for_kernels_and_mesh_
     assert set(choices["attention"]) == {"fast"}
     assert sorted(choices["attention"]["fast"]) == [f"model.decoder.layer{i}.self_attention.attention" for i in range(2)]
     # Listed, its transform runs too.
-    listed = axcore.load_experiment(None, [*TINY, "mesh.instance_type=fakehw-x1-8", "plugins=[fakehw]"], objects=objects)
+    listed = axcore.load_experiment(None, [*TINY_OVERRIDES, "mesh.instance_type=fakehw-x1-8", "plugins=[fakehw]"], objects=objects)
     assert listed.config.model.decoder.layer.self_attention.softcap == 30.0
     # Without the selector the plugin is not loaded at all.
-    plain = axcore.load_experiment(None, TINY, objects=objects)
+    plain = axcore.load_experiment(None, TINY_OVERRIDES, objects=objects)
     assert "fakehw" not in [i.name for i in plain.plugin_manager.plugins]
     assert "fast" not in plain.kernel_choices()["attention"]
 
 
 def test_config_command_shows_the_kernel_of_each_op(capsys):
-    assert main(["config", "default", *sum((["--set", o] for o in TINY), []), "--mesh-selector", "fakehw-x1-8"],
+    assert main(["config", "default", *sum((["--set", o] for o in TINY_OVERRIDES), []), "--mesh-selector", "fakehw-x1-8"],
                 objects={"fakehw": FakeHardware()}) == 0
     out = capsys.readouterr().out
     assert "mesh.rule: fakehw-x1\n" in out
@@ -74,7 +73,7 @@ def test_describe_kernel_choices_ranks_by_use():
 def test_training_logs_the_kernel_of_each_op(tmp_path):
     from axcore.trainer.trainer import Trainer
 
-    exp = axcore.load_experiment(None, [*TINY, "trainer.max_steps=1", f"trainer.run_dir={tmp_path}", "trainer.eval_every=0",
+    exp = axcore.load_experiment(None, [*TINY_OVERRIDES, "trainer.max_steps=1", f"trainer.run_dir={tmp_path}", "trainer.eval_every=0",
                                          "trainer.sample.num_tokens=0", "mesh.instance_type=fakehw-x1-1"],
                                  objects={"fakehw": FakeHardware()})
     log = io.StringIO()
@@ -91,7 +90,7 @@ def test_describe_kernel_choices_counts_each_site_once():
 def test_config_and_train_report_the_same_kernel_sites(tmp_path):
     # Subprocesses, as a user runs them; the count is the model's weight matmuls, counted from its shape:
     # per layer q, k, v, o projections and the FFN's up and down projections, plus the output head.
-    sets = [a for o in [*TINY, "trainer.max_steps=1", "trainer.eval_every=0", "trainer.sample.num_tokens=0",
+    sets = [a for o in [*TINY_OVERRIDES, "trainer.max_steps=1", "trainer.eval_every=0", "trainer.sample.num_tokens=0",
                         f"trainer.run_dir={tmp_path / 'run'}"] for a in ("--set", o)]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
@@ -101,7 +100,7 @@ def test_config_and_train_report_the_same_kernel_sites(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
         return out.stdout + out.stderr
 
-    layers = int(dict(o.split("=") for o in TINY)["model.num_layers"])
+    layers = int(dict(o.split("=") for o in TINY_OVERRIDES)["model.num_layers"])
     expected = f"xla ({layers * (4 + 2) + 1} sites)"
     config = re.search(r"^# kernel dot: (.*)$", axcore("config", "default"), re.M).group(1)
     train = re.search(r"^Kernel for dot: (.*)$", axcore("train"), re.M).group(1)

@@ -24,14 +24,11 @@ import json
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 import jax
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from axcore.data import Split
 from axcore.experiment import load_experiment
@@ -39,14 +36,13 @@ from axcore.layers import PipelineSchedule
 from axcore.layers.pipeline import pipeline_plans
 from axcore.markers import hookimpl
 from axcore.module import functional
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.trainer import Trainer
 
-import tiny
-
 STEPS = 20
 MORE = 2
-BASE = [*tiny.TINY, "model.num_layers=8", "input.batch_size=8", f"trainer.max_steps={STEPS + 2 * MORE}",
+BASE = [*TINY_OVERRIDES, "model.num_layers=8", "input.batch_size=8", f"trainer.max_steps={STEPS + 2 * MORE}",
         "trainer.learner.schedule.warmup_steps=2"]
 GPIPE = ["model.decoder.pipeline={type: gpipe, microbatches: 4}"]
 CIRCULAR = ["model.decoder.pipeline={type: circular, microbatches: 4, repeats: 2}"]

@@ -17,8 +17,7 @@ from axcore.layers import Circular, GPipe, PipelineSchedule
 from axcore.layers.pipeline import bubble_fraction, check_table, checked_table, pipeline_plans, wavefront_table
 from axcore.markers import hookimpl
 from axcore.plugin.loading import create_plugin_manager
-
-import tiny
+from axcore.testing import TINY_OVERRIDES, run_host_device_worker
 
 WORKER = pathlib.Path(__file__).parent / "pipeline_parallel_worker.py"
 # Relative loss difference allowed at every one of the 20 steps (float32).
@@ -29,7 +28,7 @@ PIPELINED = ["stage4_data2_gpipe", "stage4_data2_circular", "stage2_fsdp2_tensor
 
 @pytest.fixture(scope="module")
 def results():
-    return tiny.run_host_device_worker(WORKER, timeout=600)
+    return run_host_device_worker(WORKER, timeout=600)
 
 
 @pytest.mark.slow
@@ -143,7 +142,7 @@ def test_a_plugin_adds_a_schedule_that_the_modifier_and_report_use():
     rule = ("mesh_rules=[{name: staged, instance_type: '.*', mesh_shape: [2, -1], mesh_axis_names: [stage, data], "
             "modifiers: [{type: pipeline, schedule: reverse, microbatches: 3}]}]")
     # 12 rows: 3 on each of the data axis's 4 devices, one per microbatch (config refuses fewer).
-    exp = load_experiment("scan", [*tiny.TINY, "plugins=[reverse]", "mesh.instance_type=cpu-8", "input.batch_size=12", rule],
+    exp = load_experiment("scan", [*TINY_OVERRIDES, "plugins=[reverse]", "mesh.instance_type=cpu-8", "input.batch_size=12", rule],
                           objects={"reverse": ReversePlugin()})
     [(path, schedule)] = find(exp.config.model, PipelineSchedule)
     assert path == "decoder.pipeline" and schedule.klass is Reverse and schedule.microbatches == 3
@@ -156,7 +155,7 @@ def test_a_plugin_adds_a_schedule_that_the_modifier_and_report_use():
 def test_compile_report_gives_the_bubble(monkeypatch):
     from axcore.cli import compile as compile_cli
 
-    exp = load_experiment("scan", [*tiny.TINY, "mesh.instance_type=cpu-8",
+    exp = load_experiment("scan", [*TINY_OVERRIDES, "mesh.instance_type=cpu-8",
                                    "model.decoder.pipeline={type: circular, microbatches: 8, repeats: 3}"])
     step = compile_cli.CompiledStep(None, {}, 0, 0.0, 0.0, 8, {"stage": 4, "data": 2})
     monkeypatch.setattr(compile_cli, "compile_step", lambda experiment: step)
@@ -168,7 +167,7 @@ def test_compile_report_gives_the_bubble(monkeypatch):
 def test_pipeline_modifier_refuses_unknown_schedules_and_stackless_models():
     rule = "mesh_rules=[{name: staged, instance_type: '.*', modifiers: [{type: pipeline, schedule: gpip}]}]"
     with pytest.raises(ConfigError, match=r"no pipeline schedule named 'gpip' \(did you mean 'gpipe'\?\)"):
-        load_experiment("scan", [*tiny.TINY, "mesh.instance_type=cpu-1", rule])
+        load_experiment("scan", [*TINY_OVERRIDES, "mesh.instance_type=cpu-1", rule])
     rule = "mesh_rules=[{name: staged, instance_type: '.*', modifiers: [{type: pipeline}]}]"
     with pytest.raises(NoMatchError, match="no scanned layer stack"):
-        load_experiment(None, [*tiny.TINY, "mesh.instance_type=cpu-1", rule])
+        load_experiment(None, [*TINY_OVERRIDES, "mesh.instance_type=cpu-1", rule])

@@ -21,8 +21,7 @@ import time
 import pytest
 
 from axcore.platform.distributed import DistributedError, distributed_settings
-
-import tiny
+from axcore.testing import TINY_OVERRIDES
 
 # Seconds a launch may take to commit its first checkpoint, or to finish.
 LAUNCH_TIMEOUT = 180
@@ -44,7 +43,7 @@ def _free_port() -> int:
 
 def _command(run_dir, steps, process_id, port):
     overrides = [
-        *tiny.TINY,
+        *TINY_OVERRIDES,
         f"trainer.run_dir={run_dir}",
         f"trainer.max_steps={steps}",
         "trainer.log_every=1",

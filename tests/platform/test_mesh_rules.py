@@ -11,8 +11,7 @@ from axcore.experiment import load_experiment
 from axcore.experiment.config_modifiers import attention_kernel, compute_dtype, microbatches, remat
 from axcore.kernels import XlaAttention
 from axcore.platform.mesh import AmbiguousMeshRuleError, MeshRule, NoMeshRuleError, select_mesh_rule
-
-from tiny import TINY
+from axcore.testing import TINY_OVERRIDES
 
 BF16 = np.dtype("bfloat16")
 
@@ -72,7 +71,7 @@ def _write(tmp_path, text, name="exp.yaml"):
 
 def test_one_experiment_resolves_to_a_layout_per_instance_type(tmp_path, capsys):
     path = _write(tmp_path, EXPERIMENT)
-    cpu, gpu, tpu = (load_experiment(path, [*TINY, f"mesh.instance_type={t}"], objects=OBJECTS)
+    cpu, gpu, tpu = (load_experiment(path, [*TINY_OVERRIDES, f"mesh.instance_type={t}"], objects=OBJECTS)
                      for t in ("cpu-8", "gpu-h100-8", "tpu-v5p-64"))
 
     # cpu-8: the experiment's own rule.

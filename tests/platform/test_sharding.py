@@ -26,10 +26,9 @@ from axcore.platform.sharding import (
     parameter_shardings,
     resolve_rules,
 )
+from axcore.testing import TINY_OVERRIDES
 
-import tiny
-
-GOLDEN = pathlib.Path(__file__).parent / "golden"
+GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 # Every mesh axis the default rules name, two devices each (abstract: 32 devices need not exist).
 FULL = AbstractMesh((2, 2, 2, 2, 2), ("data", "fsdp", "tensor", "expert", "sequence"))
 DFT = AbstractMesh((2, 2, 2), ("data", "fsdp", "tensor"))
@@ -112,7 +111,7 @@ def test_activation_specs_are_lenient():
 
 
 def _model_and_batch(overrides):
-    exp = load_experiment(None, [*tiny.TINY, *overrides])
+    exp = load_experiment(None, [*TINY_OVERRIDES, *overrides])
     model = exp.config.model.instantiate(name="model", registries=exp.registries)
     ids = np.zeros((4, 32), np.int32)
     return model, {"input_ids": ids, "target_labels": ids}
@@ -164,7 +163,7 @@ def test_every_parameter_names_its_sharded_dims():
 
 
 def _dump(*args):
-    assert main(["config", "default", *[a for o in tiny.TINY for a in ("--set", o)], *args, "--shardings"]) == 0
+    assert main(["config", "default", *[a for o in TINY_OVERRIDES for a in ("--set", o)], *args, "--shardings"]) == 0
 
 
 def test_sharding_dump_of_a_data_fsdp_tensor_mesh(capsys, request):
@@ -200,7 +199,7 @@ def test_sharding_dump_resolves_the_selector_size_abstractly(capsys):
 
 
 def test_sharding_report_raises_like_the_trainer():
-    exp = load_experiment(None, [*tiny.TINY, "mesh.instance_type=cpu-4", "mesh.mesh_shape=[1,4]",
+    exp = load_experiment(None, [*TINY_OVERRIDES, "mesh.instance_type=cpu-4", "mesh.mesh_shape=[1,4]",
                                  "mesh.mesh_axis_names=[data,tensor]"])
     with pytest.raises(ConfigError, match=r"model\.decoder\.layer0\.self_attention\.w.*size 2 .*tensor=4"):
         sharding_report(exp)

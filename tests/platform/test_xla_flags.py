@@ -17,8 +17,7 @@ from axcore.errors import ConfigError, PluginConflictError, PluginLoadError
 from axcore.experiment import load_experiment
 from axcore.platform.xla_flags import apply_xla_flags, format_xla_flags, resolve_xla_flags
 from axcore.plugin.loading import probe_instance_type
-
-import tiny
+from axcore.testing import TINY_OVERRIDES
 
 
 class FlagPlugin:
@@ -147,13 +146,13 @@ def test_probe_reads_jax_platforms_then_asks_installed_plugins(monkeypatch):
     assert probe_instance_type() is None
 
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _train_instance_type(tmp_path, flags_override, env_flags):
     """The instance type `axcore train` recorded, in a fresh process (JAX_PLATFORMS=cpu)."""
     run_dir = tmp_path / "run"
-    args = [*tiny.TINY, "trainer.max_steps=1", "trainer.eval_every=0", f"trainer.run_dir={run_dir}", flags_override]
+    args = [*TINY_OVERRIDES, "trainer.max_steps=1", "trainer.eval_every=0", f"trainer.run_dir={run_dir}", flags_override]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": env_flags}
     command = [sys.executable, "-m", "axcore.cli", "train", "default"]
     for override in args:

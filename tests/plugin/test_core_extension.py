@@ -17,8 +17,7 @@ from axcore.kernels import SUPPORTED, Op, Problem, Support, XlaAttention, unknow
 from axcore.layers import BaseLayer, CausalLM, MultiheadAttention
 from axcore.params import ParameterSpec, constant
 from axcore.registry import Family, instance_validator, registers
-
-from tiny import TINY
+from axcore.testing import TINY_OVERRIDES
 
 # -- A new attention capability through the extras map ---------------------------------------
 
@@ -285,7 +284,7 @@ class Int8Plugin:
 
 def test_int8_kernel_with_scale_state_reaches_every_matmul_of_the_default_model():
     plugin = Int8Plugin()
-    exp = axcore.load_experiment(None, [*TINY, "plugins=[int8]"], objects={"int8": plugin})
+    exp = axcore.load_experiment(None, [*TINY_OVERRIDES, "plugins=[int8]"], objects={"int8": plugin})
     assert isinstance(exp.config.model.decoder.layer.feed_forward, axcore.InstantiableConfig)
     model = exp.config.model.instantiate(name="model", registries=exp.registries)
     params = model.initialize(jax.random.key(0))
@@ -305,7 +304,7 @@ def test_int8_kernel_with_scale_state_reaches_every_matmul_of_the_default_model(
     wq = np.asarray(params["decoder"]["layer0"]["self_attention"]["wq"])
     np.testing.assert_allclose(update, np.abs(wq).max(axis=0) / 127.0, rtol=1e-6)
     # And the loss stays close to the float32 model's (int8 error only).
-    exact = axcore.load_experiment(None, TINY)
+    exact = axcore.load_experiment(None, TINY_OVERRIDES)
     reference = exact.config.model.instantiate(name="model", registries=exact.registries)
     float_params = {k: v for k, v in params.items()}
     (float_loss, _), _ = axcore.functional(reference, _strip_kernel_state(float_params), ({"input_ids": ids, "target_labels": ids},), None, False)

@@ -17,8 +17,13 @@ import axcore
 from axcore.plugin import hookspecs
 from axcore.tools.hook_reference import hook_names
 
-ROOT = pathlib.Path(__file__).parent.parent
-TEST_DIRS = [ROOT / "tests", *sorted(ROOT.glob("plugins/*/tests")), *sorted(ROOT.glob("examples/*/tests"))]
+ROOT = pathlib.Path(__file__).parents[2]
+TEST_DIRS = [
+    ROOT / "tests",
+    *sorted(ROOT.glob("plugins/*/tests")),
+    *sorted(ROOT.glob("axcore_*/tests")),
+    *sorted(ROOT.glob("examples/*/tests")),
+]
 
 
 def _test_files() -> list[pathlib.Path]:

@@ -8,7 +8,9 @@ import pytest
 
 from axcore.plugin import hookspecs
 
-TESTS = pathlib.Path(__file__).parent
+ROOT = pathlib.Path(__file__).parents[2]
+# Every test folder: axcore's, the feature plugins', the hardware packages' and the examples'.
+TEST_DIRS = [ROOT / "tests", *ROOT.glob("plugins/*/tests"), *ROOT.glob("axcore_*/tests"), *ROOT.glob("examples/*/tests")]
 HOOKS = [name for name, fn in vars(hookspecs).items() if name.startswith("axcore_") and inspect.isfunction(fn)]
 
 
@@ -29,7 +31,7 @@ def test_hook_is_documented(hook):
 @pytest.mark.parametrize("hook", HOOKS)
 def test_hook_has_a_test_implementing_it(hook):
     implemented = set()
-    for path in TESTS.rglob("test_*.py"):
+    for path in (path for directory in TEST_DIRS for path in directory.rglob("test_*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and node.name.startswith("axcore_"):
                 implemented.add(node.name)

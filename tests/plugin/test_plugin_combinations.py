@@ -8,11 +8,10 @@ from axcore.config import find
 from axcore.errors import ConfigError, PluginConflictError
 from axcore.experiment import load_experiment
 from axcore.layers import Activation, FeedForward, LearnedPositionEmbedding, MultiheadAttention, RepeatedTransformer
+from axcore.testing import TINY_OVERRIDES, train_params
 
 from axcore_alibi import AlibiBias
 from axcore_swiglu import GatedFeedForward
-
-from tiny import TINY, train_steps
 
 
 def _swiglu_everywhere(config):
@@ -23,7 +22,7 @@ def _swiglu_everywhere(config):
 
 
 def test_swiglu_alibi_remat_on_the_scan_experiment_compose_and_train():
-    exp = load_experiment("scan", ["plugins=[swiglu, alibi, remat]", *TINY])
+    exp = load_experiment("scan", ["plugins=[swiglu, alibi, remat]", *TINY_OVERRIDES])
     assert _swiglu_everywhere(exp.config) == ["model.decoder.layer.feed_forward"]
     attention = find(exp.config, MultiheadAttention)
     assert attention and all(a.position_embedding.klass is AlibiBias for _, a in attention)
@@ -38,7 +37,7 @@ def test_swiglu_alibi_remat_on_the_scan_experiment_compose_and_train():
         "model.position_embedding: null",
     ]:
         assert line in flat.splitlines()
-    params, losses = train_steps(exp)
+    params, losses = train_params(exp)
     assert set(params["decoder"]["layer"]["feed_forward"]) == {"gate_proj", "up_proj", "down_proj"}
     assert losses[-1] < losses[0]
 

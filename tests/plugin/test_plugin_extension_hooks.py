@@ -13,10 +13,9 @@ from axcore.data import Split, Tokenizer, read_corpus_documents
 from axcore.errors import ConfigError, PluginLoadError
 from axcore.experiment import load_experiment
 from axcore.observe import MetricsWriterFactory
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer import Optimizer, Schedule
 from axcore.trainer.trainer import Trainer
-
-import tiny
 
 
 class ScaledGradient(Optimizer):
@@ -162,7 +161,7 @@ def test_each_family_holds_the_plugins_component():
 def test_the_plugins_experiment_optimizer_schedule_writer_and_tokenizer_take_effect(tmp_path):
     RecordingTokenizer.calls.clear()
     ListWriterFactory.SINKS.clear()
-    overrides = [*tiny.TINY, f"trainer.run_dir={tmp_path}", "trainer.max_steps=4", "trainer.log_every=1",
+    overrides = [*TINY_OVERRIDES, f"trainer.run_dir={tmp_path}", "trainer.max_steps=4", "trainer.log_every=1",
                  "trainer.eval_every=0", "trainer.checkpoint.every_n_steps=1", "trainer.checkpoint.keep_last_n=null"]
     exp = load_experiment("ext_tiny", overrides, objects=OBJECTS)
     assert exp.config.name == "ext_tiny" and "plugin 'ext'" in exp.source

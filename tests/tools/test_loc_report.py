@@ -23,7 +23,7 @@ from axcore.tools.loc_report import (
     loc_report,
 )
 
-TABLES_DOC = pathlib.Path(__file__).parents[1] / "docs" / "integration-cost.md"
+TABLES_DOC = pathlib.Path(__file__).parents[2] / "docs" / "integration-cost.md"
 FEATURES = {"rope", "moe", "swiglu", "alibi", "remat", "lora"}
 
 

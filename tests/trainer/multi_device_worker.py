@@ -1,7 +1,7 @@
 """The 8-device checks of tests/test_multi_device.py, in one process (one JAX start-up, one compile per mesh).
 
 Run with `XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu`. Trains the
-tiny default decoder (tests/tiny.py) for `STEPS` steps with the Trainer's own shardings
+tiny default decoder (axcore.testing.TINY_OVERRIDES) for `STEPS` steps with the Trainer's own shardings
 and jitted step on several meshes, and on one device (same seed, same batches), and
 checks the train state's layout on a (data=2, fsdp=2, tensor=2) mesh. Prints one JSON
 object on the last line of stdout:
@@ -18,27 +18,22 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 import time
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 from axcore.cli.shardings import sharding_report
 from axcore.data import Split
 from axcore.experiment import load_experiment
 from axcore.params import ParameterSpec
 from axcore.platform.sharding import path_name
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import Trainer
 
-import tiny
-
 STEPS = 20
-BASE = [*tiny.TINY, f"trainer.max_steps={STEPS}", "trainer.learner.schedule.warmup_steps=2"]
+BASE = [*TINY_OVERRIDES, f"trainer.max_steps={STEPS}", "trainer.learner.schedule.warmup_steps=2"]
 MOE = ["plugins=[moe]", "moe.num_experts=4"]
 
 # Logical axis -> mesh axes of the default rules on a mesh that has every axis (written out independently).

@@ -7,13 +7,12 @@ import numpy as np
 import pytest
 
 from axcore.experiment import load_experiment
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.callbacks import LossPlot, Sample
 from axcore.trainer.run_dir import FAILED_FILE
 from axcore.trainer.trainer import Trainer
 
-import tiny
-
-RUN = [*tiny.TINY, "trainer.max_steps=2", "trainer.eval_every=0", "trainer.sample.num_tokens=4",
+RUN = [*TINY_OVERRIDES, "trainer.max_steps=2", "trainer.eval_every=0", "trainer.sample.num_tokens=4",
        "trainer.sample.temperature=0", "trainer.metrics_writers=[{type: jsonl}]", "trainer.learner.schedule.warmup_steps=0"]
 
 

@@ -12,6 +12,7 @@ import pytest
 from axcore.data.sources import is_eval_document
 from axcore.experiment import load_experiment
 from axcore.inference.run_loading import load_model
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.evaluate import (
     EvalProgress,
     EvalTotals,
@@ -21,8 +22,6 @@ from axcore.trainer.evaluate import (
     combine,
     component_budgets,
 )
-
-import tiny
 
 
 @pytest.mark.parametrize("weights, budget, expected", [
@@ -120,7 +119,7 @@ def _axcore(*args, cwd=None):
 
 
 def _sets(*overrides):
-    return [a for o in [*tiny.TINY, "trainer.sample.num_tokens=0", "trainer.metrics_writers=[{type: jsonl}]",
+    return [a for o in [*TINY_OVERRIDES, "trainer.sample.num_tokens=0", "trainer.metrics_writers=[{type: jsonl}]",
                         *overrides] for a in ("--set", o)]
 
 

@@ -10,10 +10,9 @@ from axcore import cli
 from axcore.data import DataError
 from axcore.experiment import load_experiment
 from axcore.layers import CausalLM
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.inputs import DataWaitMeter
 from axcore.trainer.trainer import Trainer
-
-import tiny
 
 
 def test_data_wait_is_per_step_and_a_share_of_the_step_and_warns_once_after_the_first_interval():
@@ -37,7 +36,7 @@ def test_a_batch_field_the_model_does_not_accept_is_an_error_naming_it(monkeypat
     accepted = CausalLM.accepted_batch_fields
     monkeypatch.setattr(CausalLM, "accepted_batch_fields", lambda self: accepted(self) - {"segment_ids"})
     with pytest.raises(DataError, match=r"The batch carries \['segment_ids'\], which model \(CausalLM\) does not accept"):
-        Trainer(load_experiment(None, tiny.TINY))
+        Trainer(load_experiment(None, TINY_OVERRIDES))
 
 
 def test_config_checks_data_paths_and_train_refuses_them_in_one_line(tmp_path, capsys, monkeypatch):
@@ -47,7 +46,7 @@ def test_config_checks_data_paths_and_train_refuses_them_in_one_line(tmp_path, c
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("# data check: input.source.paths[0]: 'data/shards' is not a prepared-shard directory")
     assert cli.main(["config", "default"]) == 0 and capsys.readouterr().out.endswith("# data check: ok\n")
-    argv = ["train", "default", *missing, *[a for o in [*tiny.TINY, "trainer.max_steps=1"] for a in ("--set", o)]]
+    argv = ["train", "default", *missing, *[a for o in [*TINY_OVERRIDES, "trainer.max_steps=1"] for a in ("--set", o)]]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("axcore: error: input.source.paths[0]: 'data/shards' is not a prepared")

@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-import tiny
+from axcore.testing import run_host_device_worker
 
 WORKER = pathlib.Path(__file__).parent / "multi_device_worker.py"
 # Relative loss difference allowed at every one of the 20 steps (float32; measured ~2e-7).
@@ -18,7 +18,7 @@ RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def results():
-    return tiny.run_host_device_worker(WORKER, timeout=400)
+    return run_host_device_worker(WORKER, timeout=400)
 
 
 @pytest.mark.slow

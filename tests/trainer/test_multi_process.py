@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-import tiny
+from axcore.testing import TINY_OVERRIDES
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def _free_port_in(low: int, high: int) -> int:
 
 def _overrides(run_dir, steps):
     return [
-        *tiny.TINY,
+        *TINY_OVERRIDES,
         f"trainer.run_dir={run_dir}",
         f"trainer.max_steps={steps}",
         "trainer.log_every=1",

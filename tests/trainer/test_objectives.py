@@ -20,10 +20,9 @@ from axcore.data import Split
 from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
 from axcore.observe.writers import read_jsonl_metrics
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer import Objective, ObjectiveOutput
 from axcore.trainer.trainer import Trainer
-
-import tiny
 
 Z_WEIGHT = 0.1
 PROXIMAL = 0.5
@@ -71,7 +70,7 @@ class ObjectivesPlugin:
 
 
 OBJECTS = {"objectives_test": ObjectivesPlugin()}
-RUN = [*tiny.TINY, "plugins=[objectives_test]", "trainer.log_every=1", "trainer.eval_every=0",
+RUN = [*TINY_OVERRIDES, "plugins=[objectives_test]", "trainer.log_every=1", "trainer.eval_every=0",
        "trainer.sample.num_tokens=0", "trainer.metrics_writers=[{type: jsonl}]", "trainer.learner.schedule.warmup_steps=0"]
 
 
@@ -150,7 +149,7 @@ def test_the_docs_objective_plugin_computes_its_formula():
     [source] = [b for b in re.findall(r"```python\n(.*?)```", docs, re.S) if b.startswith("# axcore_xent_z.py")]
     plugin = types.ModuleType("axcore_xent_z")
     exec(compile(source, "<docs axcore_xent_z>", "exec"), plugin.__dict__)  # Our own docs' code.
-    exp = load_experiment(None, [*tiny.TINY, "plugins=[xent_z]", "trainer.objective.type=xent_z"],
+    exp = load_experiment(None, [*TINY_OVERRIDES, "plugins=[xent_z]", "trainer.objective.type=xent_z"],
                           objects={"xent_z": plugin})
     model = exp.config.model.instantiate(name="model", registries=exp.registries)
     params = model.initialize(jax.random.key(0))

@@ -18,13 +18,12 @@ from axcore.data import Split
 from axcore.experiment import load_experiment
 from axcore.kernels import SUPPORTED, reference_dot
 from axcore.params import ParameterSpec, constant
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import Trainer
-
-import tiny
 
 HISTORY = 3
 # Default learner: AdamW with global-norm clipping at 1.0 (which the tiny model's first gradients exceed).
-COMMON = [*tiny.TINY, "trainer.eval_batches=1", "trainer.sample.num_tokens=0", "trainer.eval_every=0",
+COMMON = [*TINY_OVERRIDES, "trainer.eval_batches=1", "trainer.sample.num_tokens=0", "trainer.eval_every=0",
           "trainer.learner.schedule.warmup_steps=0", "trainer.learner.learning_rate=1e-2"]
 
 

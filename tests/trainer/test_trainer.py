@@ -15,11 +15,10 @@ from axcore.experiment import load_experiment
 from axcore.kernels import SUPPORTED, reference_dot
 from axcore.observe import read_jsonl_metrics
 from axcore.params import ParameterSpec, constant
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import NonFiniteLossError, Trainer
 
-import tiny
-
-TINY = [*tiny.TINY, "trainer.eval_batches=2", "trainer.sample.num_tokens=8", "trainer.learner.schedule.warmup_steps=2"]
+TINY = [*TINY_OVERRIDES, "trainer.eval_batches=2", "trainer.sample.num_tokens=8", "trainer.learner.schedule.warmup_steps=2"]
 
 
 def _run(run_dir, *extra, stream=None, objects=None):

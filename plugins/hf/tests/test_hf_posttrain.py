@@ -140,9 +140,9 @@ def test_a_template_other_than_the_tokenizers_is_warned_about(imported, tmp_path
 def test_generate_chat_without_a_template_is_refused_before_loading(tmp_path):
     """A run whose tokenizer (bytes) has no template and that did not train on chat data: refused from its saved
     config alone (this run has no checkpoints/, so a refusal after the restore would name that instead)."""
-    import tiny
+    from axcore.testing import TINY_OVERRIDES
 
-    load_experiment("default", tiny.TINY).save(tmp_path / "run")
+    load_experiment("default", TINY_OVERRIDES).save(tmp_path / "run")
     status, _, err = _axcore("generate", tmp_path / "run", "--chat", "Hi")
     assert status == 2 and len(err) == 1 and "has no chat template" in err[0], err
 

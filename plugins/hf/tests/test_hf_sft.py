@@ -203,10 +203,10 @@ def test_chat_refusals_are_one_line_exit_2(setup, tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("prepare: ")]  # Its plan.
     assert len(err) == 1 and "bad.jsonl' line 2" in err[0] and "no assistant message" in err[0], err
     # A run whose tokenizer (bytes) has no chat template and that did not train on chat data.
-    import tiny
+    from axcore.testing import TINY_OVERRIDES
 
     run = tmp_path / "bytes"
-    exp = load_experiment("default", tiny.TINY)
+    exp = load_experiment("default", TINY_OVERRIDES)
     model = exp.config.model.instantiate(name="model", registries=exp.registries)
     save_model(exp, jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), model.abstract_parameters()), run)
     assert main(["generate", str(run), "--chat", "Hi"]) == 2
