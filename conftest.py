@@ -1,5 +1,10 @@
 """Shared fixtures, and one persistent JAX compilation cache for the whole test session.
 
+At the repository root, so it applies to every test folder (`tests/`, `plugins/*/tests`,
+`axcore_gpu|tpu|neuron/tests`, `examples/*/tests`) and `python -m pytest plugins/rope`
+gets it too. It puts nothing on `sys.path`: the helpers plugins' tests share are in
+`axcore.testing`; axcore's own test-only helpers are in `tests/helpers/` (pytest's `pythonpath`).
+
 Many tests start `axcore train` in subprocesses on the same tiny model; sharing XLA's
 compiled programs through a cache directory (removed at the end of the session)
 saves their repeated compiles. The cache holds the same programs, so no result
@@ -41,5 +46,5 @@ def pytest_configure(config):
 def pytest_addoption(parser):
     parser.addoption(
         "--update-goldens", action="store_true", default=False,
-        help="rewrite tests/golden/*.txt from the current resolved configs",
+        help="rewrite the golden files (tests/golden/*.txt, axcore_*/tests/golden/*.txt) from the current outputs",
     )

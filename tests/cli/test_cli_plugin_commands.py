@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 import pytest
-from throwaway_venv import install_editable, make_venv
 
 from axcore.experiment import search_plugins
 from axcore.plugin.commands import listed_plugin_commands
+
+from throwaway_venv import install_editable, make_venv
 
 WIDGET = '''
 import jax  # A plugin's module may be heavy: the help must not import it.

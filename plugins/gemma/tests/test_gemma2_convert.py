@@ -1,4 +1,4 @@
-"""The gemma plugin's `gemma2` against transformers (checks in hf_family_checks).
+"""The gemma plugin's `gemma2` against transformers (checks in axcore_hf.testing).
 
 Tiny model: 3 layers alternating local and global (transformers' default pattern:
 sliding, full, sliding; window 6 < the 24 tokens), 4 query heads over 2 kv heads
@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import hf_family_checks as checks  # noqa: E402
+from axcore_hf import testing as checks  # noqa: E402
 
 TINY = dict(
     vocab_size=260, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -1,5 +1,7 @@
-"""Checks every Hugging Face model family plugin runs against transformers (imported by the
-tests/plugins/test_<family>_convert.py files; each gives a `Family`).
+"""Checks every Hugging Face model family plugin runs against transformers (imported by the family
+plugins' tests, e.g. plugins/qwen/tests/test_qwen2_convert.py, and the hf plugin's own; each gives a `Family`).
+
+For tests only: it imports torch and transformers (the `test` extra), so the plugin never imports it.
 
 Tiny models with random weights (biases and norms drawn too), float32, eager
 attention; logits over `IDS` (2 x 24 tokens), tolerance 1e-4 on logits of magnitude ~5.

@@ -25,14 +25,13 @@ peft = pytest.importorskip("peft")
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("axcore_tokenizers")
 
-import hf_family_checks as checks  # noqa: E402
 from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from axcore.cli import main  # noqa: E402
 from axcore.data.chat import ChatTemplate  # noqa: E402
 from axcore.experiment import load_experiment  # noqa: E402
 
-from axcore_hf import hf_to_axcore  # noqa: E402
+from axcore_hf import hf_to_axcore, testing as checks  # noqa: E402
 
 TOLERANCE = 1e-4
 CHATML = (
@@ -61,7 +60,7 @@ def _chats(k):
 
 
 def _hf_model():
-    """The tiny Llama with the random weights of every family check (hf_family_checks.build)."""
+    """The tiny Llama with the random weights of every family check (axcore_hf.testing.build)."""
     return checks.build(transformers.LlamaConfig(
         vocab_size=320, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
         intermediate_size=64, rope_theta=5e5, **KEPT))

@@ -1,4 +1,4 @@
-"""The qwen plugin's `qwen3` (dense) against transformers (checks in hf_family_checks).
+"""The qwen plugin's `qwen3` (dense) against transformers (checks in axcore_hf.testing).
 
 Tiny model: 3 layers, 4 query heads over 2 kv heads (head_dim 16), QK-norm, tied
 embeddings, `attention_bias` (q/k/v and o biases) and an explicit `layer_types`
@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import hf_family_checks as checks  # noqa: E402
+from axcore_hf import testing as checks  # noqa: E402
 
 TINY = dict(
     vocab_size=260, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
