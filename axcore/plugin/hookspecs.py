@@ -39,7 +39,7 @@ Evolution policy (the plugin API, version `PLUGIN_API_VERSION`, MAJOR.MINOR):
 - A plugin may require an API version with a module (or class) attribute holding
   a version specifier, e.g. `AXCORE_PLUGIN_API = ">=1.0,<2"`; registering it
   against an axcore whose `PLUGIN_API_VERSION` does not match fails with a one-line
-  PluginVersionError naming the plugin. `tests/test_hookspec_policy.py` checks that
+  PluginVersionError naming the plugin. `tests/plugin/test_hookspec_policy.py` checks that
   every spec of API 1.0 still exists with its arguments.
 """
 

@@ -11,7 +11,7 @@ computed from the data below (about 0.82% of ||y|| for Gaussian data with K = 64
 and amax is about 2.4 standard deviations). The tests ask for the measured relative error within
 15% of that prediction (measured: within 1.2%); the lower bound fails if a side is not quantized.
 Gradients: both operands rounded to bfloat16 (8 significant bits) have an RMS relative error of
-0.212 * 2**-7 = 0.166% each (see tests/gpu/test_fp8_dot.py for the formula), so a product of two
+0.212 * 2**-7 = 0.166% each (see axcore_gpu/tests/test_fp8_dot.py for the formula), so a product of two
 about sqrt(2) * 0.166% = 0.234%; measured 0.23-0.24%; the bounds are 0.18% < error < 0.30%
 (the lower bound fails if the gradient matmuls ran in float32).
 """

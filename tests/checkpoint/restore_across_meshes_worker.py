@@ -1,4 +1,4 @@
-"""The checks of tests/test_restore_across_meshes.py, in one process with 8 CPU devices.
+"""The checks of tests/checkpoint/test_restore_across_meshes.py, in one process with 8 CPU devices.
 
 Run with `XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu` and the
 checkpoint backend's name as the argument. `Trainer.run` trains the tiny decoder 4 steps

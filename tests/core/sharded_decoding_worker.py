@@ -1,5 +1,5 @@
 """KV-cache decoding on a (data=2, fsdp=2, tensor=2) mesh of 8 host devices (run by
-tests/test_sharded_decoding.py with XLA_FLAGS=--xla_force_host_platform_device_count=8).
+tests/core/test_sharded_decoding.py with XLA_FLAGS=--xla_force_host_platform_device_count=8).
 
 Prints one JSON line: the greedy tokens of the same prompts on the mesh and on one
 device, and the sharding of every KV-cache leaf the prefill returns on the mesh.

@@ -1,4 +1,4 @@
-"""The 8-device checks of tests/test_context_parallel.py, in one process (one JAX start-up).
+"""The 8-device checks of tests/kernels/test_context_parallel.py, in one process (one JAX start-up).
 
 Run with `XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu`. Prints one
 JSON object on the last line of stdout:

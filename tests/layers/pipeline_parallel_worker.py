@@ -1,4 +1,4 @@
-"""The 8-device checks of tests/test_pipeline_parallel.py, in one process (one JAX start-up).
+"""The 8-device checks of tests/layers/test_pipeline_parallel.py, in one process (one JAX start-up).
 
 Run with `XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu`. Trains the
 tiny scanned decoder (8 layers) for `STEPS` steps on one device without a pipeline (the

@@ -1,6 +1,6 @@
 """Meta-tests: every hookspec has a test that implements it, and axcore really calls each one.
 
-`tests/test_hookspecs.py` checks that tests/ implements every hook; this file also
+`tests/plugin/test_hookspecs.py` checks that tests/ implements every hook; this file also
 scans the plugins' and the example plugin's tests, names the files, and checks that a
 plugin implementing every hook sees each of them called when an experiment is
 resolved (the path `axcore train` takes).
@@ -33,7 +33,7 @@ def _test_files() -> list[pathlib.Path]:
 def test_every_hookspec_is_implemented_by_some_test():
     files = {path: path.read_text() for path in _test_files()}
     untested = [hook for hook in hook_names() if not any(re.search(rf"\bdef {hook}\(", text) for text in files.values())]
-    assert not untested, f"hooks no test implements (add one to tests/test_hook_coverage.py): {', '.join(untested)}"
+    assert not untested, f"hooks no test implements (add one to tests/plugin/test_hook_coverage.py): {', '.join(untested)}"
 
 
 def _recording_plugin(calls: list[str]) -> types.ModuleType:
@@ -56,7 +56,7 @@ def test_resolving_an_experiment_calls_every_hook():
         objects={"recording": _recording_plugin(calls)},
     )
     # Asked only of installed hardware plugins (gpu, tpu, neuron) before any manager exists
-    # (tests/test_xla_flags.py); call it through pluggy like axcore does.
+    # (tests/platform/test_xla_flags.py); call it through pluggy like axcore does.
     assert None not in experiment.plugin_manager.pm.hook.axcore_probe_instance_type()  # pluggy drops Nones.
     missing = [hook for hook in hook_names() if hook not in calls]
     assert not missing, f"hooks never called while resolving an experiment: {', '.join(missing)}"

@@ -1,4 +1,4 @@
-"""The 8-device checks of tests/test_multi_device.py, in one process (one JAX start-up, one compile per mesh).
+"""The 8-device checks of tests/trainer/test_multi_device.py, in one process (one JAX start-up, one compile per mesh).
 
 Run with `XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu`. Trains the
 tiny default decoder (axcore.testing.TINY_OVERRIDES) for `STEPS` steps with the Trainer's own shardings
