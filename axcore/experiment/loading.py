@@ -7,7 +7,7 @@ An experiment file is merged onto the built-in default experiment:
     model: {num_layers: 2}
     trainer: {max_steps: 50}
 
-Resolution (DESIGN.md, "How an experiment becomes a running program"): read YAML
+Resolution (docs/architecture.md, "One `axcore train`", steps 2 to 5): read YAML
 with a safe loader and apply `--set` overrides; build the plugin manager; build the
 typed tree; run the enabled plugins' config transforms in `plugins:` order; then
 the first matching mesh rule fills the mesh and applies its config modifiers.
