@@ -13,28 +13,9 @@ lazily, so importing one module of this package stays cheap.
 
 from __future__ import annotations
 
-from axcore._lazy import lazy_exports
+from axcore._lazy import lazy_exports, module_exports
 
-_WHERE = {
-    name: "axcore.experiment.loading"
-    for name in (
-        "RESOLVED_KEY",
-        "Experiment",
-        "ExperimentConfig",
-        "MeshConfig",
-        "MeshRuleConfig",
-        "SearchResult",
-        "builtin_experiments",
-        "check_experiment_config",
-        "default_model",
-        "layout_mesh",
-        "load_experiment",
-        "local_mesh_rules",
-        "read_experiment_file",
-        "resolve_experiment_xla_flags",
-        "search_plugins",
-    )
-}
+_WHERE = module_exports(globals(), ["loading"])
 __all__ = sorted(_WHERE)
 
 __getattr__, __dir__ = lazy_exports(globals(), _WHERE)

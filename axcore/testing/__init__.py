@@ -17,8 +17,6 @@ neither JAX nor pytest.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from axcore._lazy import lazy_exports
 
 _EXPORTS = {
@@ -42,15 +40,3 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
 
 __getattr__, __dir__ = lazy_exports(globals(), _WHERE)
-
-if TYPE_CHECKING:
-    from axcore.testing._attention import DEFAULT_CASES, AttentionCase, check_attention_kernel, numpy_attention
-    from axcore.testing._decoding import check_decoding_matches_forward
-    from axcore.testing._training import TINY_OVERRIDES, load_tiny_experiment, train_steps
-    from axcore.testing.conformance import (
-        AttentionKernelConformance,
-        CheckpointBackendConformance,
-        ConfigTransformConformance,
-        DecodingConformance,
-        PositionEmbeddingConformance,
-    )
