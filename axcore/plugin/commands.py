@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from axcore.errors import one_line
-from axcore.plugin.entry_points import _dist_of, autoload_disabled, installed_entry_points
+from axcore.plugin.entry_points import autoload_disabled, distribution_of, installed_entry_points
 from axcore.registry import Provenance, Registry
 
 # The `axcore` command's own sub-commands; plugins may not register these names.
@@ -176,7 +176,7 @@ def listed_plugin_commands() -> CommandListing:
         return CommandListing([], {}, "AXCORE_DISABLE_PLUGIN_AUTOLOAD is set")
     commands, unreadable = [], {}
     for plugin, eps in sorted(installed_entry_points().items()):
-        distribution, _ = _dist_of(eps[0])
+        distribution, _ = distribution_of(eps[0])
         module = eps[0].value.split(":", 1)[0].strip()
         try:
             path = _module_source(module)

@@ -57,12 +57,12 @@ from axcore.plugin.entry_points import (  # Re-exported: discovery reads metadat
     DISABLE_AUTOLOAD_ENV,
     ENTRY_POINT_GROUP,
     LOAD_PLUGINS_ENV,
-    _allowed,
-    _dist_of,
-    _scanned_entry_points as _scanned_entry_points,  # For axcore.cli.plugins.
+    allowed_to_load,
     autoload_disabled,
+    distribution_of,
     excluded_entry_points,
     installed_entry_points,
+    installed_plugins,
     load_allow_list,
 )
 from axcore.plugin.instance_probe import HARDWARE_PLATFORMS, probe_instance_type  # Re-exported: the pre-JAX probe.
@@ -92,12 +92,16 @@ __all__ = [
     "PluginInfo",
     "PluginRequest",
     "UnknownHookError",
+    "allowed_to_load",
     "autoload_disabled",
     "builtin_registries",
     "create_plugin_manager",
+    "distribution_of",
     "excluded_entry_points",
     "installed_entry_points",
+    "installed_plugins",
     "load_allow_list",
+    "load_plugin",
     "probe_instance_type",
 ]
 
@@ -125,18 +129,26 @@ def builtin_registries() -> Registries:
     return create_plugin_manager().registries
 
 
-def _load_entry_point(name: str, eps: list[importlib.metadata.EntryPoint]) -> tuple[Any, str, str]:
-    """Imports plugin `name` from its entry points; returns (plugin, distribution, version).
+def load_plugin(name: str, eps: Sequence[importlib.metadata.EntryPoint] | None = None) -> tuple[Any, str, str]:
+    """Imports installed plugin `name` from its entry points; returns (plugin, distribution, version).
+
+    `eps` defaults to the entry points `installed_plugins()` finds under `name`. The plugin
+    is only imported, not registered (`AxcorePluginManager.register_plugin` does that).
 
     Raises:
+        UnknownPluginError: no installed plugin has that name.
         PluginError: several distributions provide the name.
         PluginLoadError: the import fails (the message names the distribution and the fixes).
     """
+    if eps is None:
+        eps = installed_plugins().get(name, [])
+        if not eps:
+            raise UnknownPluginError(f"No installed plugin named '{name}'; `axcore plugins` lists them.")
     if len(eps) > 1:
-        dists = ", ".join(_dist_of(ep)[0] for ep in eps)
+        dists = ", ".join(distribution_of(ep)[0] for ep in eps)
         raise PluginError(f"Plugin name '{name}' is provided by several distributions ({dists}); uninstall all but one.")
     ep = eps[0]
-    dist, version = _dist_of(ep)
+    dist, version = distribution_of(ep)
     try:
         plugin = ep.load()
     except Exception as e:  # Any import failure inside the plugin is reported, not swallowed.
@@ -188,7 +200,7 @@ def create_plugin_manager(
         if entry_points is None:
             entry_points = installed_entry_points()
         eps = entry_points.get(request.name) or entry_points.get(canonicalize_name(request.name))
-        if not eps and not _allowed(request.name, load_allow_list()):
+        if not eps and not allowed_to_load(request.name):
             excluded = excluded_entry_points()
             if request.name in excluded or canonicalize_name(request.name) in excluded:
                 raise PluginExcludedError(
@@ -203,13 +215,13 @@ def create_plugin_manager(
                 f"installed plugins: {', '.join(installed) or 'none'}. Install its package "
                 f"(e.g. pip install axcore-{request.name}) or fix the name."
             )
-        dist, version = _dist_of(eps[0])
+        dist, version = distribution_of(eps[0])
         if request.specifier and not SpecifierSet(request.specifier).contains(version, prereleases=True):
             raise PluginVersionError(
                 f"Plugin '{request.name}' {request.specifier} was asked for, but {dist} {version} "
                 f"is installed; install a matching version or relax the specifier."
             )
-        plugin, dist, version = _load_entry_point(request.name, eps)
+        plugin, dist, version = load_plugin(request.name, eps)
         manager.register_plugin(plugin, request.name, distribution=dist, version=version, source="entry-point")
     if platform and platform in objects and not manager.is_registered(platform):
         # Given as an object (tests, notebooks): registered as an autoloaded hardware plugin would be.
@@ -218,7 +230,7 @@ def create_plugin_manager(
         if entry_points is None:
             entry_points = installed_entry_points()
         if platform in entry_points:
-            plugin, dist, version = _load_entry_point(platform, entry_points[platform])
+            plugin, dist, version = load_plugin(platform, entry_points[platform])
             # Registers kernels and mesh rules; its transforms run only if `plugins:` lists it.
             manager.register_plugin(
                 plugin, platform, distribution=dist, version=version, source="platform", listed=False
