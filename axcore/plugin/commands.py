@@ -34,6 +34,39 @@ from axcore.registry import Provenance, Registry
 BUILTIN_COMMANDS = ("train", "config", "plugins", "compile", "loc", "new-plugin", "eval", "generate", "prepare")
 
 
+def add_experiment(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    """Adds the experiment argument (a file or built-in name; optional unless `required`), `--set` and `--mesh-selector`.
+
+    What `axcore train` takes; a plugin's command adds the same with this and reads them
+    back with `overrides(args)` for `load_experiment(args.experiment, overrides(args))`.
+    """
+    parser.add_argument(
+        "experiment",
+        nargs=None if required else "?",
+        help="experiment YAML file or built-in experiment name" + ("" if required else " (default: default)"),
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a config value, e.g. --set trainer.max_steps=50 (repeatable; YAML-typed)",
+    )
+    parser.add_argument(
+        "--mesh-selector",
+        metavar="INSTANCE_TYPE",
+        help="lay the run out for this instance type (e.g. gpu-h100-8, tpu-v5p-64) instead of the detected "
+        "one; its hardware plugin is loaded if installed (same as --set mesh.instance_type=...)",
+    )
+
+
+def overrides(args) -> list[str]:
+    """The `--set` overrides, with `--mesh-selector` as `mesh.instance_type`."""
+    selector = getattr(args, "mesh_selector", None)
+    return [*args.overrides, *([f"mesh.instance_type={selector}"] if selector else [])]
+
+
 @dataclasses.dataclass(frozen=True)
 class Command:
     """A plugin's `axcore` sub-command."""
