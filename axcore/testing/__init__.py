@@ -27,14 +27,14 @@ _EXPORTS = {
         "DecodingConformance",
         "PositionEmbeddingConformance",
     ],
-    "axcore.testing._decoding": ["check_decoding_matches_forward"],
-    "axcore.testing._attention": [
+    "axcore.testing.decoding": ["check_decoding_matches_forward"],
+    "axcore.testing.attention": [
         "DEFAULT_CASES",
         "AttentionCase",
         "check_attention_kernel",
         "numpy_attention",
     ],
-    "axcore.testing._training": ["TINY_OVERRIDES", "load_tiny_experiment", "train_steps"],
+    "axcore.testing.training": ["TINY_OVERRIDES", "load_tiny_experiment", "train_steps"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
