@@ -39,7 +39,8 @@ _EXPORTS = {
     "axcore.markers": ["hookimpl", "hookspec"],
     "axcore.module": ["InvocationContext", "Module", "OutputCollection", "functional"],
     "axcore.params": ["ParameterSpec"],
-    "axcore.plugin.loading": ["AxcorePluginManager", "PluginRequest", "create_plugin_manager"],
+    "axcore.plugin.loading": ["AxcorePluginManager", "PluginRequest"],
+    "axcore.experiment.builtins": ["create_plugin_manager"],
     "axcore.registry": ["Registries", "Registry"],
     "axcore.experiment.loading": ["Experiment", "ExperimentConfig", "load_experiment"],
 }

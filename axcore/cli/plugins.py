@@ -14,6 +14,7 @@ from typing import Any
 from packaging.utils import canonicalize_name
 
 from axcore.errors import PluginError, did_you_mean, one_line
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.plugin import hookspecs
 from axcore.plugin.loading import (
     API_REQUIREMENT_ATTRIBUTE,
@@ -25,7 +26,6 @@ from axcore.plugin.loading import (
     UnknownHookError,
     allowed_to_load,
     autoload_disabled,
-    create_plugin_manager,
     distribution_of,
     installed_plugins,
     load_allow_list,

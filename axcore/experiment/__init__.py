@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from axcore._lazy import lazy_exports, module_exports
 
-_WHERE = module_exports(globals(), ["loading"])
+_WHERE = module_exports(globals(), ["loading", "builtins"])
 __all__ = sorted(_WHERE)
 
 __getattr__, __dir__ = lazy_exports(globals(), _WHERE)

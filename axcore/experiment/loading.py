@@ -39,6 +39,7 @@ from axcore.config import ConfigBase, dump_flat, from_dict, parse_override, rais
 from axcore.config.serialize import flatten, format_value, nest_path, to_dict
 from axcore.data.schema import BATCH_SCHEMA
 from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.experiment.files import (
     SearchResult,
     builtin_experiments,
@@ -74,7 +75,7 @@ from axcore.platform.xla_flags import (
     format_xla_flags,
     resolve_xla_flags,
 )
-from axcore.plugin.loading import AxcorePluginManager, PluginRequest, create_plugin_manager, probe_instance_type
+from axcore.plugin.loading import AxcorePluginManager, PluginRequest, probe_instance_type
 
 __all__ = [
     "RESOLVED_KEY",

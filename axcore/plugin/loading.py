@@ -40,6 +40,7 @@ import importlib
 import importlib.metadata
 import os
 from collections.abc import Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
@@ -81,7 +82,6 @@ from axcore.registry import Registries
 __all__ = [
     "API_REQUIREMENT_ATTRIBUTE",
     "BUILTIN_DISTRIBUTION",
-    "BUILTIN_PLUGINS",
     "DISABLE_AUTOLOAD_ENV",
     "ENTRY_POINT_GROUP",
     "HARDWARE_PLATFORMS",
@@ -95,6 +95,7 @@ __all__ = [
     "allowed_to_load",
     "autoload_disabled",
     "builtin_registries",
+    "component_plugins",
     "create_plugin_manager",
     "distribution_of",
     "excluded_entry_points",
@@ -105,19 +106,34 @@ __all__ = [
     "probe_instance_type",
 ]
 
-# Core modules that are plugins, registered first (like pytest's default_plugins).
-BUILTIN_PLUGINS = (
-    "axcore.layers.plugin",
-    "axcore.kernels.plugin",
-    "axcore.platform.mesh",
-    "axcore.experiment.config_modifiers",
-    "axcore.experiment.context_modifiers",
-    "axcore.data.plugin",
-    "axcore.checkpoint.plugin",
-    "axcore.trainer.plugin",
-    "axcore.observe.plugin",
-    "axcore.experiments.plugin",
-)
+def component_plugins() -> dict[str, ModuleType]:
+    """The built-in plugins of the component packages below this layer: registered name -> module, in order.
+
+    The layers above own the whole list and pass it down (`axcore.experiment.builtins`, which
+    adds the experiment layer's config modifiers), as pytest's config owns its default
+    plugins; a manager built here without `builtins=` gets these. The names are the
+    built-ins' stable names (the provenance configs and `axcore plugins` show): the
+    platform's plugin keeps `axcore.platform.mesh`, learning's keeps `axcore.trainer.plugin`.
+    """
+    from axcore.checkpoint import plugin as checkpoint  # Deferred: imported when a manager is built.
+    from axcore.data import plugin as data
+    from axcore.experiments import plugin as experiments
+    from axcore.kernels import plugin as kernels
+    from axcore.layers import plugin as layers
+    from axcore.learning import plugin as learning
+    from axcore.observe import plugin as observe
+    from axcore.platform import plugin as platform
+
+    return {
+        "axcore.layers.plugin": layers,
+        "axcore.kernels.plugin": kernels,
+        "axcore.platform.mesh": platform,
+        "axcore.data.plugin": data,
+        "axcore.checkpoint.plugin": checkpoint,
+        "axcore.trainer.plugin": learning,
+        "axcore.observe.plugin": observe,
+        "axcore.experiments.plugin": experiments,
+    }
 
 
 class PluginExcludedError(UnknownPluginError):
@@ -125,7 +141,7 @@ class PluginExcludedError(UnknownPluginError):
 
 
 def builtin_registries() -> Registries:
-    """Registries of a manager with only the built-in plugins."""
+    """Registries of a manager with only the component built-ins (`component_plugins()`)."""
     return create_plugin_manager().registries
 
 
@@ -165,6 +181,7 @@ def create_plugin_manager(
     *,
     objects: Mapping[str, Any] | None = None,
     platform: str | None = None,
+    builtins: Mapping[str, ModuleType] | None = None,
 ) -> AxcorePluginManager:
     """Builds a plugin manager.
 
@@ -175,6 +192,9 @@ def create_plugin_manager(
             is looked up here before the entry points.
         platform: the detected platform ("gpu", "tpu", ...); the entry point of that
             name is loaded too unless AXCORE_DISABLE_PLUGIN_AUTOLOAD is set.
+        builtins: the built-in plugins, name -> module, registered first in this order;
+            default `component_plugins()`. `axcore.create_plugin_manager` passes all of
+            axcore's (`axcore.experiment.builtins.builtin_plugins()`).
 
     Raises:
         UnknownPluginError: a requested name is neither given nor installed (the
@@ -183,8 +203,7 @@ def create_plugin_manager(
         PluginLoadError: a plugin fails to import or has invalid hook implementations.
     """
     manager = AxcorePluginManager()
-    for module_name in BUILTIN_PLUGINS:
-        module = importlib.import_module(module_name)
+    for module_name, module in (component_plugins() if builtins is None else builtins).items():
         manager.register_plugin(module, module_name, distribution=BUILTIN_DISTRIBUTION, version=_core_version(), source="builtin")
     objects = dict(objects or {})
     requests = [PluginRequest.parse(p, f"plugins[{i}]") for i, p in enumerate(plugins)]

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.experiment.loading import load_experiment
-from axcore.plugin.loading import create_plugin_manager
 from axcore.testing import attention, checkpoint, decoding, position, transform
 from axcore.testing.training import TINY_OVERRIDES
 

@@ -57,7 +57,7 @@ def axcore_plugin_objects(axcore_plugin_name: str, axcore_plugin: object | None)
 @pytest.fixture
 def axcore_plugin_manager(axcore_plugin_name: str, axcore_plugin_objects: dict):
     """A plugin manager with the built-in plugins and just the plugin under test."""
-    from axcore.plugin.loading import create_plugin_manager
+    from axcore.experiment.builtins import create_plugin_manager
 
     return create_plugin_manager([axcore_plugin_name], objects=axcore_plugin_objects)
 
