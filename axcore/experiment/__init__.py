@@ -7,8 +7,10 @@ the transforms), the saved-config marker (`saved`), the mesh layout from the mat
 mesh rule (`mesh`) with its config modifiers (`config_modifiers`), and validation
 (`validation`). It may import the plugin kernel (`plugin/`), the trainer's config and
 every component package below them; never `inference/`, `testing/`, `tools/` or `cli/`.
-`axcore.experiment.load_experiment` and the other names of `loading` are re-exported
-lazily, so importing one module of this package stays cheap.
+It owns the list of built-in plugins too (`builtins`: `create_plugin_manager`, which is
+`axcore.create_plugin_manager`). `axcore.experiment.load_experiment` and the other names
+of `loading` and `builtins` are re-exported lazily, so importing one module of this
+package stays cheap.
 """
 
 from __future__ import annotations

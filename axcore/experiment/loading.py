@@ -18,9 +18,8 @@ under a `resolved_by` marker, and loading it skips the transforms and the mesh r
 modifiers (`axcore.experiment.saved`).
 
 The experiment layer's other modules, re-exported here: `axcore.experiment.schema`
-(`ExperimentConfig` and its parts), `axcore.experiment.files` (finding and reading
-experiment files), `axcore.experiment.mesh` (mesh layout), `axcore.experiment.saved`
-(the saved-config marker).
+(`ExperimentConfig` and its parts), `axcore.experiment.files` (finding and reading experiment
+files), `axcore.experiment.mesh` (mesh layout), `axcore.experiment.saved` (the saved-config marker).
 """
 
 from __future__ import annotations
