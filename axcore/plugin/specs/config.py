@@ -1,7 +1,6 @@
 """Hookspecs of a listed plugin's config: its settings section and its config transform.
 
-Part of the plugin API: `axcore.plugin.hookspecs` gathers the specs of every phase and
-states the calling convention, the phases and the evolution policy.
+The calling convention, the phases and the evolution policy: `axcore.plugin.hookspecs`.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Registration hookspecs of the input: data sources and tokenizers.
 
-Part of the plugin API: `axcore.plugin.hookspecs` gathers the specs of every phase and
-states the calling convention, the phases and the evolution policy.
+The calling convention, the phases and the evolution policy: `axcore.plugin.hookspecs`.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from axcore.config import Configurable
 from axcore.data.tokenizer import Tokenizer
 from axcore.markers import hookspec
 from axcore.plugin.register_callbacks import RegisterComponent
-from axcore.registry import (
-    Family,
-    module_class_validator,
-    registers,
-)
-
-if TYPE_CHECKING:
-    pass
+from axcore.registry import Family, module_class_validator, registers
 
 # -- Phase 1: registration: data -------------------------------------------------------
 

@@ -1,24 +1,17 @@
 """Hookspecs of what a plugin adds to axcore itself: hooks of its own, experiments, commands.
 
-Part of the plugin API: `axcore.plugin.hookspecs` gathers the specs of every phase and
-states the calling convention, the phases and the evolution policy.
+The calling convention, the phases and the evolution policy: `axcore.plugin.hookspecs`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from axcore.experiments import experiment_source_validator
 from axcore.markers import hookspec
 from axcore.plugin.commands import command_callback, command_validator
 from axcore.plugin.register_callbacks import RegisterCommand, RegisterComponent
-from axcore.registry import (
-    Family,
-    registers,
-)
-
-if TYPE_CHECKING:
-    pass
+from axcore.registry import Family, registers
 
 # -- Phase 0: hookspecs ----------------------------------------------------------------
 

@@ -1,12 +1,9 @@
 """Registration hookspecs of the model: layers, position embeddings, kernels and ops, model converters.
 
-Part of the plugin API: `axcore.plugin.hookspecs` gathers the specs of every phase and
-states the calling convention, the phases and the evolution policy.
+The calling convention, the phases and the evolution policy: `axcore.plugin.hookspecs`.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from axcore.checkpoint.interop import converter_validator
 from axcore.kernels.registry import KernelRegistry, OpRegistry, fixed_op_callback
@@ -14,14 +11,7 @@ from axcore.layers.position import PositionEmbedding
 from axcore.markers import hookspec
 from axcore.module import Module
 from axcore.plugin.register_callbacks import RegisterComponent, RegisterKernel, RegisterNamed
-from axcore.registry import (
-    Family,
-    module_class_validator,
-    registers,
-)
-
-if TYPE_CHECKING:
-    pass
+from axcore.registry import Family, module_class_validator, registers
 
 KERNELS = Family("kernels", "kernel", registry_class=KernelRegistry)
 

@@ -1,26 +1,14 @@
 """Hookspecs of the platform: mesh rules, config modifiers, checkpoint backends, and the machine and its flags before the backend starts.
 
-Part of the plugin API: `axcore.plugin.hookspecs` gathers the specs of every phase and
-states the calling convention, the phases and the evolution policy.
+The calling convention, the phases and the evolution policy: `axcore.plugin.hookspecs`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from axcore.markers import hookspec
 from axcore.platform.mesh import MeshRule
 from axcore.plugin.register_callbacks import RegisterComponent, RegisterNamed
-from axcore.registry import (
-    Family,
-    NamedRegistry,
-    callable_validator,
-    instance_validator,
-    registers,
-)
-
-if TYPE_CHECKING:
-    pass
+from axcore.registry import Family, NamedRegistry, callable_validator, instance_validator, registers
 
 # -- Phase 1: registration: mesh rules, config modifiers and checkpoint backends -------
 

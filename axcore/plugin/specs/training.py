@@ -1,12 +1,9 @@
 """Registration hookspecs of training: optimizers, schedules, pipeline schedules, objectives, metrics writers.
 
-Part of the plugin API: `axcore.plugin.hookspecs` gathers the specs of every phase and
-states the calling convention, the phases and the evolution policy.
+The calling convention, the phases and the evolution policy: `axcore.plugin.hookspecs`.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from axcore.layers.pipeline import PipelineSchedule
 from axcore.learning.objectives import Objective
@@ -15,14 +12,7 @@ from axcore.learning.schedules import Schedule
 from axcore.markers import hookspec
 from axcore.observe.factories import MetricsWriterFactory
 from axcore.plugin.register_callbacks import RegisterComponent
-from axcore.registry import (
-    Family,
-    module_class_validator,
-    registers,
-)
-
-if TYPE_CHECKING:
-    pass
+from axcore.registry import Family, module_class_validator, registers
 
 # -- Phase 1: registration: training ---------------------------------------------------
 
