@@ -30,7 +30,10 @@ def declared_all(path: str) -> list[str]:
         else:
             continue
         if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
-            return list(ast.literal_eval(node.value))
+            try:
+                return list(ast.literal_eval(node.value))
+            except ValueError:
+                raise ValueError(f"{path}: __all__ is not a literal list of names") from None
     raise ValueError(f"{path} states no literal __all__")
 
 
