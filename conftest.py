@@ -25,7 +25,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # Only compiles that take a while are worth a disk round trip.
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
-from axcore.plugin.loading import builtin_registries
+from axcore.experiment.builtins import builtin_registries
 
 
 @pytest.fixture(scope="session")

@@ -511,7 +511,7 @@ def shape_of(args: argparse.Namespace) -> LlamaShape:
     return dataclasses.replace(base, **given)
 
 
-def _phase_main(args: argparse.Namespace) -> int:
+def phase_main(args: argparse.Namespace) -> int:
     """Child process: one phase, its JSON written (also on failure); exit OOM_EXIT when out of device memory."""
     from benchmarks.common import write_result
 
@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.phase is not None:
-        return _phase_main(args)
+        return phase_main(args)
     return 1 if run(argv=argv)["failed"] else 0
 
 

@@ -20,6 +20,8 @@ CROSS_CUTTING = {
     "test_hardware_install.py",  # the three hardware packages installed beside axcore
     "test_security.py",  # promises across config, checkpoint and CLI (docs/reliability.md)
     "test_plugin_tests_layout.py",  # this convention
+    "test_private_imports.py",  # no source imports another package's private names
+    "test_public_names.py",  # each package states its public names once
 }
 # Folders of tests/ that are not a package of axcore: its top-level modules (module, params, generation...),
 # the benchmarks/ scripts, axcore's test-only helpers (on sys.path through pytest's `pythonpath`), golden files.

@@ -33,9 +33,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from axcore.cli.common import EXIT_USAGE, Parser, add_distributed, add_experiment
+from axcore.cli.common import EXIT_USAGE, Parser, add_distributed
 from axcore.errors import one_line
-from axcore.plugin.commands import BUILTIN_COMMANDS, listed_plugin_commands
+from axcore.plugin.commands import BUILTIN_COMMANDS, add_experiment, listed_plugin_commands
 
 # After Ctrl-C (128 + SIGINT), as shells report it; axcore/trainer/interrupt.py's EXIT_INTERRUPTED.
 EXIT_INTERRUPTED = 130

@@ -48,11 +48,11 @@ from typing import Any
 
 import jax
 
-from axcore.cli.common import overrides
 from axcore.errors import AxcoreError
 from axcore.experiment.loading import Experiment, load_experiment
 from axcore.layers.pipeline import STAGE_AXIS, pipeline_plans
 from axcore.platform.sharding import resolve_mesh_shape
+from axcore.plugin.commands import overrides
 
 DEVICE_MEMORY_FLAG = "--device-memory"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from axcore.cli.common import overrides
 from axcore.errors import one_line
+from axcore.plugin.commands import overrides
 
 
 def run(args) -> int:

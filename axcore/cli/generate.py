@@ -85,7 +85,7 @@ def _conversations(args: argparse.Namespace) -> list[tuple[str, list[dict]]]:
     return conversations
 
 
-def _chat_template(args: argparse.Namespace, experiment, tokenizer):
+def chat_template(args: argparse.Namespace, experiment, tokenizer):
     """The template the run trained with (its chat source's), else the tokenizer's; GenerateError if it has none."""
     from axcore.data.chat import ChatTemplate
 
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         from axcore.inference.run_loading import load_run_experiment
 
         experiment, _ = load_run_experiment(args.run, args.overrides, objects=args.objects)
-        template = _chat_template(args, experiment, experiment.config.tokenizer.instantiate())
+        template = chat_template(args, experiment, experiment.config.tokenizer.instantiate())
     loaded, step = load_model_and_step(args.run, step=args.step, overrides=args.overrides, objects=args.objects)
     tokenizer = step.tokenizer
     vocab = loaded.experiment.config.model.vocab_size

@@ -20,7 +20,7 @@ shard). So a killed writer never leaves anything that looks finished.
 shard's arrays only when a document of it is read; nothing is hashed at open. Before
 a shard's first document is returned, its files' sha256 must have matched index.json:
 they are hashed once, in background threads that start at the first read and go on
-through the other shards (`axcore.data._shard_hashes`), so a flipped byte stops the
+through the other shards (`axcore.data.shard_hashes`), so a flipped byte stops the
 first read of its shard with one DataError naming the file, and no document of a
 corrupt shard is ever used. `verify()` hashes everything at once, on request.
 """
@@ -36,8 +36,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from axcore.data._shard_hashes import ShardHashes, file_sha256
 from axcore.data.errors import DataError
+from axcore.data.shard_hashes import ShardHashes, file_sha256
 
 # The value of index.json's "format"; a reader refuses any other.
 SHARDS_FORMAT = "axcore.shards/1"

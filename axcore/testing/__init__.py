@@ -22,8 +22,6 @@ neither JAX nor pytest.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from axcore._lazy import lazy_exports
 
 _EXPORTS = {
@@ -34,16 +32,16 @@ _EXPORTS = {
         "DecodingConformance",
         "PositionEmbeddingConformance",
     ],
-    "axcore.testing._decoding": ["check_decoding_matches_forward"],
-    "axcore.testing._attention": [
+    "axcore.testing.decoding": ["check_decoding_matches_forward"],
+    "axcore.testing.attention": [
         "DEFAULT_CASES",
         "AttentionCase",
         "check_attention_kernel",
         "numpy_attention",
     ],
-    "axcore.testing._training": ["TINY_OVERRIDES", "load_tiny_experiment", "train_params", "train_steps"],
-    "axcore.testing._numpy": ["NP_ACTIVATIONS"],
-    "axcore.testing._rms_norm": [
+    "axcore.testing.training": ["TINY_OVERRIDES", "load_tiny_experiment", "train_params", "train_steps"],
+    "axcore.testing.activations": ["NP_ACTIVATIONS"],
+    "axcore.testing.rms_norm": [
         "RMS_NORM_CASES",
         "RMS_NORM_EPS",
         "RMS_NORM_TOLERANCE",
@@ -52,32 +50,9 @@ _EXPORTS = {
         "np_rms_norm_vjp",
         "rms_norm_case_arrays",
     ],
-    "axcore.testing._devices": ["run_host_device_worker"],
+    "axcore.testing.devices": ["run_host_device_worker"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
 
 __getattr__, __dir__ = lazy_exports(globals(), _WHERE)
-
-if TYPE_CHECKING:
-    from axcore.testing._attention import DEFAULT_CASES, AttentionCase, check_attention_kernel, numpy_attention
-    from axcore.testing._decoding import check_decoding_matches_forward
-    from axcore.testing._devices import run_host_device_worker
-    from axcore.testing._numpy import NP_ACTIVATIONS
-    from axcore.testing._rms_norm import (
-        RMS_NORM_CASES,
-        RMS_NORM_EPS,
-        RMS_NORM_TOLERANCE,
-        check_rms_norm,
-        np_rms_norm,
-        np_rms_norm_vjp,
-        rms_norm_case_arrays,
-    )
-    from axcore.testing._training import TINY_OVERRIDES, load_tiny_experiment, train_params, train_steps
-    from axcore.testing.conformance import (
-        AttentionKernelConformance,
-        CheckpointBackendConformance,
-        ConfigTransformConformance,
-        DecodingConformance,
-        PositionEmbeddingConformance,
-    )

@@ -18,8 +18,8 @@ from functools import cache
 
 from axcore.config import REQUIRED, ConfigBase, InstantiableConfig
 from axcore.config.serialize import format_value, to_dict
+from axcore.experiment.builtins import builtin_registries
 from axcore.experiment.schema import ExperimentConfig
-from axcore.plugin.loading import builtin_registries
 
 _HEADER = """\
 # Experiment file reference

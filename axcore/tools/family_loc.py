@@ -20,7 +20,7 @@ import yaml
 from axcore.config import ConfigBase, DType, InstantiableConfig, Width, walk
 from axcore.experiment.files import search_plugins
 from axcore.experiment.loading import load_experiment
-from axcore.plugin.loading import _load_entry_point, installed_entry_points
+from axcore.plugin.loading import installed_entry_points, load_plugin
 from axcore.tools.loc_probe import _helpers, _hookimpls, _lines_cell, body_lines, probe
 
 CONVERTER_HOOK = "axcore_register_model_converters"
@@ -123,7 +123,7 @@ def family_report(seen_lines: set[str] | frozenset[str] = frozenset(), baseline:
         probes[model_type] = _family_probe(model_type, found[model_type].value)
     for model_type, result in probes.items():
         entry = found[model_type]
-        plugin, dist, _ = _load_entry_point(entry.provenance.plugin, eps[entry.provenance.plugin])
+        plugin, dist, _ = load_plugin(entry.provenance.plugin, eps[entry.provenance.plugin])
         package = (getattr(plugin, "__package__", None) or getattr(plugin, "__name__", "")).split(".")[0]
         hook = _hookimpls(plugin).get(CONVERTER_HOOK)
         lines = mechanisms = None

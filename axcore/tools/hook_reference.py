@@ -3,7 +3,7 @@
     python -m axcore.tools.hook_reference > docs/hooks.md
 
 `tests/test_docs.py` checks that docs/hooks.md equals `hook_reference()`, so the
-reference never goes stale: edit a docstring in `axcore/plugin/hookspecs.py`, then rerun
+reference never goes stale: edit a docstring in `axcore/plugin/specs/`, then rerun
 the command above.
 """
 
@@ -18,7 +18,8 @@ from axcore.registry import family_hook
 _HEADER = """\
 # Hook reference
 
-Every hook a plugin can implement, generated from `axcore/plugin/hookspecs.py` by
+Every hook a plugin can implement, generated from `axcore/plugin/hookspecs.py` (the phase modules of
+`axcore/plugin/specs/`) by
 `python -m axcore.tools.hook_reference > docs/hooks.md` (plugin API {version}). Implement one
 with `@axcore.hookimpl` on a module-level function (or a method of a plugin object) of
 the same name; it may take any subset of the arguments, by name. How to package and
@@ -53,14 +54,15 @@ class _Text:
 
 
 def _phases() -> dict[str, str]:
-    """Hook name -> the `# -- Phase ...` heading above it in hookspecs.py."""
-    lines, _ = inspect.getsourcelines(hookspecs)
+    """Hook name -> the `# -- Phase ...` heading above it in its phase module (`hookspecs.PHASES`)."""
     heading, found = "", {}
-    for line in lines:
-        if line.startswith("# -- "):
-            heading = line[5:].rstrip().rstrip("-").strip()
-        elif line.startswith("def axcore_"):
-            found[line[4:].split("(", 1)[0]] = heading
+    for module in hookspecs.PHASES:
+        lines, _ = inspect.getsourcelines(module)
+        for line in lines:
+            if line.startswith("# -- "):
+                heading = line[5:].rstrip().rstrip("-").strip()
+            elif line.startswith("def axcore_"):
+                found[line[4:].split("(", 1)[0]] = heading
     return found
 
 

@@ -51,7 +51,7 @@ from typing import Any
 import axcore
 from axcore.config import ConfigBase, InstantiableConfig
 from axcore.experiment.loading import builtin_experiments, load_experiment, read_experiment_file
-from axcore.plugin.loading import _load_entry_point, installed_entry_points
+from axcore.plugin.loading import installed_entry_points, load_plugin
 from axcore.tools.family_loc import FamilyLoc, family_report, format_family_table
 from axcore.tools.loc_probe import (  # CoreLineTracer and PROBE_OVERRIDES: re-exported, the report's instruments.
     PROBE_OVERRIDES,
@@ -235,7 +235,7 @@ def loc_report(families: list[str] | None = None) -> LocReport:
     """One row per installed plugin (feature plugins and any others in the group), and one per
     model family a plugin registers a converter for (`axcore.tools.family_loc`)."""
     families = families or probe_experiments()
-    loaded = {name: _load_entry_point(name, eps) for name, eps in sorted(installed_entry_points().items())}
+    loaded = {name: load_plugin(name, eps) for name, eps in sorted(installed_entry_points().items())}
     seen: set[str] = set()
     usage = core_usage(list(loaded), families, seen_lines=seen)
     rows = []

@@ -192,7 +192,7 @@ def evaluate_input(
     return combine({name: one(name, budget) for name, budget in zip(names, budgets)})
 
 
-def _first_eval_document(eval_fraction: float) -> int:
+def first_eval_document(eval_fraction: float) -> int:
     """The index of the first held-out document under `axcore.data.sources.is_eval_document` (f > 0)."""
     k = max(0, math.ceil(1 / eval_fraction) - 1)
     while math.floor((k + 1) * eval_fraction) <= math.floor(k * eval_fraction):  # Float rounding of 1 / f.
@@ -226,7 +226,7 @@ def check_evaluable(config: Any, tokenizer: Any = None) -> None:
                 f"trainer.eval_every={every} evaluates on held-out documents, but {where}.eval_fraction is 0: "
                 f"{source.describe()} holds none out; {fix}, or raise {where}.eval_fraction."
             )
-        first = _first_eval_document(fraction)
+        first = first_eval_document(fraction)
         if isinstance(source, RandomAccessSource):
             count = source.num_documents()
         elif isinstance(source, StreamedSource) and first < EVAL_CHECK_MAX_DOCUMENTS:

@@ -59,7 +59,7 @@ def device_memory_bytes(device: Any) -> int | None:
     return None
 
 
-def _per_device_bytes(abstract: Any) -> int:
+def per_device_bytes(abstract: Any) -> int:
     """Bytes per device of a tree of ShapeDtypeStructs carrying shardings (largest shard)."""
     total = 0
     for leaf in jax.tree.leaves(abstract):
@@ -76,7 +76,7 @@ def check_state_memory(abstract_state: Any, mesh: jax.sharding.Mesh, batch_token
         mesh: the run's mesh (its first device's memory is the limit).
         batch_tokens: batch_size * seq_len (the host holds every BATCH_SCHEMA field of each token).
     """
-    state = _per_device_bytes(abstract_state)
+    state = per_device_bytes(abstract_state)
     limit = device_memory_bytes(mesh.devices.flat[0])
     if limit is not None and state > limit:
         raise MemoryEstimateError(

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec
 
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.kernels import ATTENTION, AttentionProblem, XlaAttention
-from axcore.plugin.loading import create_plugin_manager
 
 import axcore_gpu.plugin
 from axcore_gpu import CudnnAttention, cuda_compute_capability, dot_product_attention_arguments

@@ -133,7 +133,7 @@ def test_resolved_gpu_h100_8_config_matches_golden_file(request, capsys):
 
 
 def test_plugin_registers_cudnn_then_pallas_then_the_reference():
-    from axcore.plugin.loading import create_plugin_manager
+    from axcore.experiment.builtins import create_plugin_manager
 
     kernels = create_plugin_manager(["gpu"], objects={"gpu": axcore_gpu.plugin}).registries.kernels
     order = [kernel.name for kernel in kernels.candidates("attention")]

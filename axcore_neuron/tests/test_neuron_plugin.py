@@ -13,8 +13,8 @@ import pytest
 from axcore.cli import main
 from axcore.errors import ConfigError, NoMatchError
 from axcore.experiment import ExperimentConfig, load_experiment
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.experiment.config_modifiers import build_modifier
-from axcore.plugin.loading import create_plugin_manager
 
 import axcore_neuron.plugin
 from axcore_neuron import neuron_mesh_rules, remat_transformer_layers, tensor_parallel

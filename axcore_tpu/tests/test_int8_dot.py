@@ -30,8 +30,8 @@ import pytest
 
 from axcore.data import Split
 from axcore.experiment import load_experiment
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.kernels import dot_problem, record_kernel_choices
-from axcore.plugin.loading import create_plugin_manager
 from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import Trainer
 

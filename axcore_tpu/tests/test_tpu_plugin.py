@@ -17,8 +17,8 @@ from axcore.cli import main
 from axcore.data import Split
 from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.layers.base import checkpoint_policy
-from axcore.plugin.loading import create_plugin_manager
 from axcore.testing import TINY_OVERRIDES
 
 import axcore_tpu.plugin

@@ -171,6 +171,6 @@ def test_a_failing_phase_writes_its_error_and_says_whether_it_was_memory(tmp_pat
 
     monkeypatch.setattr(gpu_step, "run_phase", out_of_memory)
     args = gpu_step.parse_args(["--smoke", "--phase", "xla", "--results-dir", str(tmp_path)])
-    assert gpu_step._phase_main(args) == gpu_step.OOM_EXIT
+    assert gpu_step.phase_main(args) == gpu_step.OOM_EXIT
     data = json.loads((tmp_path / "gpu_step_xla.json").read_text())
     assert data["oom"] is True and "RESOURCE_EXHAUSTED" in data["error"]

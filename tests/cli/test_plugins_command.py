@@ -9,13 +9,9 @@ import pytest
 import axcore
 from axcore.cli import main
 from axcore.cli.plugins import PLUGIN_JSON_KEYS
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.layers import FeedForward
-from axcore.plugin.loading import (
-    LOAD_PLUGINS_ENV,
-    PluginExcludedError,
-    create_plugin_manager,
-    installed_entry_points,
-)
+from axcore.plugin.loading import LOAD_PLUGINS_ENV, PluginExcludedError, installed_entry_points
 
 TOP_KEYS = {"plugin_api_version", "experiment", "hook", "load_plugins", "autoload_disabled", "plugins"}
 MODULES = ("axtest_listed_good", "axtest_listed_broken", "axtest_listed_secret")

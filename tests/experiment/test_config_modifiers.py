@@ -10,6 +10,7 @@ import axcore
 from axcore.config import dump_flat
 from axcore.errors import AxcoreError, ConfigError, NoMatchError, UnknownComponentError
 from axcore.experiment import ExperimentConfig, load_experiment
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.experiment.config_modifiers import (
     REMAT_POLICIES,
     attention_kernel,
@@ -23,7 +24,6 @@ from axcore.experiment.config_modifiers import (
 from axcore.kernels import XlaAttention
 from axcore.layers import BaseLayer, CausalLM
 from axcore.layers.base import checkpoint_policy
-from axcore.plugin.loading import create_plugin_manager
 from axcore.testing import TINY_OVERRIDES
 
 BF16 = np.dtype("bfloat16")

@@ -13,10 +13,10 @@ import pytest
 from axcore.config import find
 from axcore.errors import ConfigError, NoMatchError
 from axcore.experiment import load_experiment
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.layers import Circular, GPipe, PipelineSchedule
 from axcore.layers.pipeline import bubble_fraction, check_table, checked_table, pipeline_plans, wavefront_table
 from axcore.markers import hookimpl
-from axcore.plugin.loading import create_plugin_manager
 from axcore.testing import TINY_OVERRIDES, run_host_device_worker
 
 WORKER = pathlib.Path(__file__).parent / "pipeline_parallel_worker.py"

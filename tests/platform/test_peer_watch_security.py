@@ -1,7 +1,7 @@
 """The peer watch (`axcore.platform.peer_watch`) trusts only the job's own processes.
 
-In one process: process 0's end (`_Watch.serve`) with its loss handler replaced by a
-recorder, and raw sockets or a real peer end (`_Watch.connect`) talking to it. The
+In one process: process 0's end (`PeerWatch.serve`) with its loss handler replaced by a
+recorder, and raw sockets or a real peer end (`PeerWatch.connect`) talking to it. The
 HMACs a test sends are computed here from the documented formula
 (HMAC-SHA256(secret, b"hello|" + nonce + b"|" + id)), not with the module's helper.
 Checked: an authenticated peer is registered and its close is a loss (so the checks
@@ -33,7 +33,7 @@ import time
 import pytest
 
 from axcore.platform import peer_watch
-from axcore.platform.peer_watch import _Watch
+from axcore.platform.peer_watch import PeerWatch
 
 SECRET = bytes(range(32))
 # Seconds a test waits for something that should happen at once.
@@ -76,7 +76,7 @@ class Server:
     """Process 0's end of a 3-process job's watch, in a thread; `losses` records what it took for a loss."""
 
     def __init__(self, host="127.0.0.1"):
-        self.watch = _Watch(0, 3, SECRET)
+        self.watch = PeerWatch(0, 3, SECRET)
         self.losses = []
         self.watch.lost = lambda lost, how: self.losses.append(lost)
         self.host, self.port = self.watch.listen(host)
@@ -102,7 +102,7 @@ def server():
 
 
 def test_a_real_peer_is_registered_and_its_loss_seen(server):
-    peer = _Watch(1, 3, SECRET)
+    peer = PeerWatch(1, 3, SECRET)
     peer.connect(server.host, server.port)  # Raises unless process 0's welcome proves the secret.
     assert server.wait_for(lambda: 1 in server.watch.peers)
     peer.leader.close()
@@ -123,7 +123,7 @@ def test_an_independently_computed_hello_is_accepted_and_bye_is_no_loss(server):
 
 
 def test_a_peer_without_the_secret_is_refused(server):
-    peer = _Watch(1, 3, bytes(32))
+    peer = PeerWatch(1, 3, bytes(32))
     with pytest.raises(OSError, match="did not accept"):
         peer.connect(server.host, server.port)
     time.sleep(0.2)
@@ -160,13 +160,13 @@ def test_a_stranger_changes_nothing(server, line):
     time.sleep(0.2)
     assert (server.watch.peers, server.losses) == ({}, [])
     # The watch still serves: a real peer still gets in.
-    peer = _Watch(1, 3, SECRET)
+    peer = PeerWatch(1, 3, SECRET)
     peer.connect(server.host, server.port)
     assert server.wait_for(lambda: 1 in server.watch.peers)
 
 
 def test_a_silent_stranger_is_closed_after_the_timeout(monkeypatch, server):
-    monkeypatch.setattr(peer_watch, "_AUTH_TIMEOUT", 0.5)
+    monkeypatch.setattr(peer_watch, "AUTH_TIMEOUT", 0.5)
     start = time.monotonic()
     sock, _ = server.stranger()
     assert _closed_by_other_end(sock, timeout=PROMPT)
@@ -175,12 +175,12 @@ def test_a_silent_stranger_is_closed_after_the_timeout(monkeypatch, server):
 
 
 def test_connections_over_the_limit_are_closed_at_once(server):
-    held = [server.stranger()[0] for _ in range(peer_watch._MAX_PENDING)]
+    held = [server.stranger()[0] for _ in range(peer_watch.MAX_PENDING)]
     extra = socket.create_connection((server.host, server.port), timeout=PROMPT)
     assert _read_line(extra) == b""  # Closed without a challenge.
     for sock in held:
         sock.close()
-    peer = _Watch(2, 3, SECRET)
+    peer = PeerWatch(2, 3, SECRET)
     deadline = time.monotonic() + PROMPT
     while True:  # Room again once process 0 has seen them go.
         try:
@@ -203,7 +203,7 @@ def test_a_false_process_0_is_not_trusted():
         conn.sendall(b"welcome " + b"0" * 64 + b"\nlost 2\n")
 
     threading.Thread(target=answer, daemon=True).start()
-    peer = _Watch(1, 3, SECRET)
+    peer = PeerWatch(1, 3, SECRET)
     with pytest.raises(OSError, match="does not know the job's secret"):
         peer.connect("127.0.0.1", fake.getsockname()[1])
     fake.close()
@@ -211,7 +211,7 @@ def test_a_false_process_0_is_not_trusted():
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "0.0.0.0", "203.0.113.7", None])
 def test_the_bound_address_is_the_coordinators_never_a_wildcard(host):
-    watch = _Watch(0, 2)
+    watch = PeerWatch(0, 2)
     address, port = watch.listen(host)
     bound = watch.server.getsockname()
     watch.server.close()
@@ -286,7 +286,7 @@ def _attack(host: str, port: int) -> list[str]:
         sock.close()
     silent = socket.create_connection((host, port), timeout=PROMPT)
     received.append(_read_line(silent).split()[0].decode())
-    assert _closed_by_other_end(silent, timeout=peer_watch._AUTH_TIMEOUT + PROMPT)
+    assert _closed_by_other_end(silent, timeout=peer_watch.AUTH_TIMEOUT + PROMPT)
     return received
 
 

@@ -12,7 +12,8 @@ import pytest
 
 import axcore
 from axcore.errors import PluginLoadError, PluginVersionError, UnknownPluginError
-from axcore.plugin.loading import DISABLE_AUTOLOAD_ENV, create_plugin_manager
+from axcore.experiment.builtins import create_plugin_manager
+from axcore.plugin.loading import DISABLE_AUTOLOAD_ENV
 
 MODULES = ("axtest_good", "axtest_broken", "axtest_unneeded")
 

@@ -13,9 +13,10 @@ import axcore
 from axcore.cli.plugins import describe_plugins
 from axcore.config import replace
 from axcore.errors import PluginLoadError, PluginVersionError
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.layers import CausalLM, MultiheadAttention
 from axcore.plugin import hookspecs
-from axcore.plugin.loading import API_REQUIREMENT_ATTRIBUTE, create_plugin_manager
+from axcore.plugin.loading import API_REQUIREMENT_ATTRIBUTE
 
 # Every hook of plugin API 1.0 and its arguments. A later spec may add hooks and
 # arguments; one listed here may lose neither (deprecate with warn_on_impl first,

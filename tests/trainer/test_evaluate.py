@@ -17,10 +17,10 @@ from axcore.trainer.evaluate import (
     EvalProgress,
     EvalTotals,
     NothingToEvaluateError,
-    _first_eval_document,
     check_evaluable,
     combine,
     component_budgets,
+    first_eval_document,
 )
 
 
@@ -51,7 +51,7 @@ def test_the_total_is_token_weighted():
 @pytest.mark.parametrize("fraction", [0.05, 0.1, 0.3, 1 / 3, 0.5, 0.7, 1.0, 0.001, 0.07, 0.15])
 def test_the_first_held_out_document_follows_the_rule(fraction):
     first = next(k for k in range(10_000) if is_eval_document(k, fraction))
-    assert _first_eval_document(fraction) == first
+    assert first_eval_document(fraction) == first
 
 
 def _ticks(progress, budget, times):

@@ -15,7 +15,7 @@ from axcore.data import (
     TextFiles,
 )
 from axcore.data.device_loader import ShardLayout
-from axcore.plugin.loading import builtin_registries
+from axcore.experiment.builtins import builtin_registries
 from axcore.trainer.inputs import merge_input_states, restore_input_state
 
 

@@ -263,7 +263,7 @@ def test_the_compiled_estimate_is_checked_against_the_device(tmp_path, monkeypat
 
     monkeypatch.chdir(tmp_path)
     exp = load_experiment("default", [*TINY_OVERRIDES, "trainer.max_steps=1"])
-    state_bytes = memory_check._per_device_bytes(Trainer(exp).abstract_state())
+    state_bytes = memory_check.per_device_bytes(Trainer(exp).abstract_state())
     # Room for the state, not for the step's activations and temporaries.
     monkeypatch.setattr(memory_check, "device_memory_bytes", lambda device: state_bytes + 1)
     assert cli.main(_argv([*TINY_OVERRIDES, "trainer.max_steps=1"])) == 2

@@ -219,15 +219,15 @@ def test_generate_chat_uses_the_template_the_run_trained_with(tmp_path):
     tokenizer having none; a `template` file when the source names one), whatever its tokenizer."""
     import argparse
 
-    from axcore.cli.generate import GenerateError, _chat_template
+    from axcore.cli.generate import GenerateError, chat_template
     from axcore.data import ByteTokenizer
     from axcore.data.chat import DEFAULT_TEMPLATE
 
     args = argparse.Namespace(chat_template=None, run="RUN")
-    assert _chat_template(args, load_experiment("sft"), ByteTokenizer()).source == DEFAULT_TEMPLATE
+    assert chat_template(args, load_experiment("sft"), ByteTokenizer()).source == DEFAULT_TEMPLATE
     custom = tmp_path / "t.jinja"
     custom.write_text("{{ messages[0]['content'] }}")
     chat_run = load_experiment("sft", [f"input.source.template={custom}"])
-    assert _chat_template(args, chat_run, ByteTokenizer()).source == custom.read_text()
+    assert chat_template(args, chat_run, ByteTokenizer()).source == custom.read_text()
     with pytest.raises(GenerateError, match="has no chat template"):
-        _chat_template(args, load_experiment("default"), ByteTokenizer())
+        chat_template(args, load_experiment("default"), ByteTokenizer())

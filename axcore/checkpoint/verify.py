@@ -70,17 +70,17 @@ def piece(index: Index, data: Any) -> dict:
 
 
 _GOLDEN = 0x9E3779B9  # mix32's position multiplier (2**32 / golden ratio).
-_BLOCK = 1 << 16  # Words per NumPy block in `mix32`: fits the CPU cache, so each pass is cheap.
+MIX32_BLOCK = 1 << 16  # Words per NumPy block in `mix32`: fits the CPU cache, so each pass is cheap.
 
 
 def mix32(data: Any) -> int:
     """The `mix32` checksum of `data`'s C-order elements (see the module docstring)."""
     words = _host_words(np.ascontiguousarray(np.asarray(data)).reshape(-1))
-    offsets = np.arange(min(_BLOCK, words.size), dtype=np.uint32) * np.uint32(_GOLDEN)
+    offsets = np.arange(min(MIX32_BLOCK, words.size), dtype=np.uint32) * np.uint32(_GOLDEN)
     h, t = np.empty_like(offsets), np.empty_like(offsets)
     total = 0
-    for start in range(0, words.size, _BLOCK):
-        n = min(_BLOCK, words.size - start)
+    for start in range(0, words.size, MIX32_BLOCK):
+        n = min(MIX32_BLOCK, words.size - start)
         hh, tt = h[:n], t[:n]
         np.add(offsets[:n], np.uint32(start * _GOLDEN % 2**32), out=hh)  # (start + i) * golden.
         np.bitwise_xor(hh, words[start : start + n], out=hh)
