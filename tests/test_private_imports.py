@@ -59,6 +59,8 @@ def _package_of_file(path: pathlib.Path) -> str:
     for name, folder in ROOTS.items():
         if folder in path.parents:
             return name
+    if ROOT / "tests" / "core" in path.parents:
+        return "axcore"  # The tests of axcore's top-level modules (module, params, _lazy ...).
     return "tests"  # tests/, plugins/*/tests, conftest files.
 
 

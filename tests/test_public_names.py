@@ -5,8 +5,6 @@ import importlib
 
 import pytest
 
-from axcore._lazy import declared_all
-
 
 @pytest.mark.parametrize(
     "package, modules",
@@ -21,12 +19,3 @@ def test_a_package_exports_exactly_its_modules_public_names(package, modules):
         for name in module.__all__:
             assert getattr(pkg, name) is getattr(module, name), f"{package}.{name}"
 
-
-def test_declared_all_refuses_a_module_without_a_literal_list(tmp_path):
-    source = tmp_path / "computed.py"
-    source.write_text("names = ['a']\n__all__ = list(names)\n")
-    with pytest.raises(ValueError, match="literal"):
-        declared_all(str(source))
-    (tmp_path / "none.py").write_text("x = 1\n")
-    with pytest.raises(ValueError, match="states no literal __all__"):
-        declared_all(str(tmp_path / "none.py"))
