@@ -147,12 +147,12 @@ def axcore_step_only(steps: int, smoke: bool) -> None:
 
     experiment = load_experiment(None, SMOKE_OVERRIDES if smoke else [])
     trainer = Trainer(experiment)
-    state = trainer.init_state()
-    step = trainer.compiled_train_step()
+    state = trainer.step.init_state()
+    step = trainer.step.compiled_train_step()
     batches = experiment.config.input.make_iterator(Split.TRAIN)
     loss = None
     for _ in range(steps):
-        state, metrics = step(state, jax.device_put(next(batches), trainer.batch_sharding))
+        state, metrics = step(state, jax.device_put(next(batches), trainer.step.batch_sharding))
         loss = float(metrics["loss"])
     print(f"loss {loss:.4f} peak_rss_kib {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}")
 

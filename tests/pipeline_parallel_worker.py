@@ -92,12 +92,12 @@ class Run:
     def train(self, state, batches):
         losses = []
         for batch in batches:
-            state, metrics = self.step(state, jax.device_put(batch, self.trainer.batch_sharding))
+            state, metrics = self.step(state, jax.device_put(batch, self.trainer.step.batch_sharding))
             losses.append(metrics["loss"])
         return state, [float(x) for x in jax.device_get(losses)]
 
     def place(self, host_state):
-        return jax.device_put(host_state, self.trainer.state_shardings)
+        return jax.device_put(host_state, self.trainer.step.state_shardings)
 
 
 def logits(trainer: Trainer, params, batch):
@@ -106,9 +106,9 @@ def logits(trainer: Trainer, params, batch):
     def fn(params, input_ids, positions, segment_ids):
         with trainer.step.op_environment():
             inputs = {"input_ids": input_ids, "positions": positions, "segment_ids": segment_ids}
-            return functional(trainer.model, params, inputs, None, False, method="logits")[0]
+            return functional(trainer.step.model, params, inputs, None, False, method="logits")[0]
 
-    fields = [jax.device_put(batch[k], trainer.batch_sharding) for k in ("input_ids", "positions", "segment_ids")]
+    fields = [jax.device_put(batch[k], trainer.step.batch_sharding) for k in ("input_ids", "positions", "segment_ids")]
     return np.asarray(jax.jit(fn)(params, *fields))
 
 
@@ -128,7 +128,7 @@ def save(run: Run, state, directory: str, step: int) -> None:
 def restore(run: Run, directory: str, step: int):
     store = make_checkpoint_backend(run.trainer.cfg.trainer.checkpoint, run.trainer.experiment.registries, directory)
     try:
-        return store.restore(run.trainer.abstract_state(), step)[0]
+        return store.restore(run.trainer.step.abstract_state(), step)[0]
     finally:
         store.close()
 
@@ -149,8 +149,8 @@ def main() -> None:
     ]
     runs, seconds, trained = {}, {}, {}
     single = Run([], {"data": 1})
-    init = jax.device_get(single.trainer.init_state())
-    iterator = single.trainer.cfg.input.make_iterator(Split.TRAIN, single.trainer.tokenizer)
+    init = jax.device_get(single.trainer.step.init_state())
+    iterator = single.trainer.cfg.input.make_iterator(Split.TRAIN, single.trainer.step.tokenizer)
     batches = [next(iterator) for _ in range(STEPS + 2 * MORE)]
     for name, extra, shape, reference in cases:
         t0 = time.perf_counter()

@@ -87,8 +87,8 @@ def _strip(tree):
 
 def _steps(trainer, batch, steps):
     """[(params before the step, metrics)] for `steps` train steps, and the final params (host copies)."""
-    state, step = trainer.init_state(), trainer.compiled_train_step()
-    batch = jax.device_put(batch, trainer.batch_sharding)
+    state, step = trainer.step.init_state(), trainer.step.compiled_train_step()
+    batch = jax.device_put(batch, trainer.step.batch_sharding)
     history = []
     for _ in range(steps):
         before = jax.device_get(state)
