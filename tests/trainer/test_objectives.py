@@ -92,7 +92,7 @@ def _numpy_xent_z(model, params, batch):
 
 
 def test_a_plugin_objective_trains_and_logs_its_formula(tmp_path):
-    exp = _experiment(tmp_path, "trainer.step.objective.type=weighted_z_loss", "trainer.max_steps=2")
+    exp = _experiment(tmp_path, "trainer.objective.type=weighted_z_loss", "trainer.max_steps=2")
     assert exp.registries.objectives["weighted_z_loss"] is WeightedZLoss
     trainer = Trainer(exp)
     params = jax.device_get(trainer.step.init_state()["params"])  # The run starts from the same seed.
@@ -109,7 +109,7 @@ def test_a_plugin_objective_trains_and_logs_its_formula(tmp_path):
 
 
 def test_objective_state_is_frozen_sharded_saved_and_resumed(tmp_path):
-    exp = _experiment(tmp_path, "trainer.step.objective.type=proximal", "trainer.max_steps=2",
+    exp = _experiment(tmp_path, "trainer.objective.type=proximal", "trainer.max_steps=2",
                       "trainer.checkpoint.every_n_steps=1", "trainer.checkpoint.keep_last_n=null")
     trainer = Trainer(exp)
     initial = jax.device_get(trainer.step.init_state()["params"])
@@ -132,7 +132,7 @@ def test_objective_state_is_frozen_sharded_saved_and_resumed(tmp_path):
     np.testing.assert_allclose(records[2]["train/distance"], expected, rtol=1e-4)
 
     # Resumed to step 3: the reference comes back from the checkpoint, so step 3's distance is to the initial params.
-    resumed = Trainer(_experiment(tmp_path, "trainer.step.objective.type=proximal", "trainer.max_steps=3"))
+    resumed = Trainer(_experiment(tmp_path, "trainer.objective.type=proximal", "trainer.max_steps=3"))
     resumed.run()
     records = {r["step"]: r for r in read_jsonl_metrics(tmp_path / "metrics.jsonl")}
     expected = sum(((np.asarray(p2, np.float64) - np.asarray(p0, np.float64)) ** 2).sum()
@@ -142,7 +142,7 @@ def test_objective_state_is_frozen_sharded_saved_and_resumed(tmp_path):
 
 def test_a_component_that_is_not_an_objective_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"'trainer\.objective' builds .*not an objective.*next_token"):
-        _experiment(tmp_path, "trainer.step.objective.type=adamw")
+        _experiment(tmp_path, "trainer.objective.type=adamw")
 
 
 def test_the_docs_objective_plugin_computes_its_formula():
@@ -150,7 +150,7 @@ def test_the_docs_objective_plugin_computes_its_formula():
     [source] = [b for b in re.findall(r"```python\n(.*?)```", docs, re.S) if b.startswith("# axcore_xent_z.py")]
     plugin = types.ModuleType("axcore_xent_z")
     exec(compile(source, "<docs axcore_xent_z>", "exec"), plugin.__dict__)  # Our own docs' code.
-    exp = load_experiment(None, [*tiny.TINY, "plugins=[xent_z]", "trainer.step.objective.type=xent_z"],
+    exp = load_experiment(None, [*tiny.TINY, "plugins=[xent_z]", "trainer.objective.type=xent_z"],
                           objects={"xent_z": plugin})
     model = exp.config.model.instantiate(name="model", registries=exp.registries)
     params = model.initialize(jax.random.key(0))
