@@ -130,4 +130,5 @@ def sample_text(step: Any, params: Any, scfg: Any, out: Any, seed: int) -> str:
     return text
 
 
-__all__ = ["BUILTIN_CALLBACKS", "SAMPLE", "Callback", "LossPlot", "RunEnd", "Sample", "default_callbacks", "run_stopped", "sample_text"]
+__all__ = ["BUILTIN_CALLBACKS", "SAMPLE", "Callback", "LossPlot", "RunEnd", "Sample", "default_callbacks", "run_stopped",
+           "sample_text"]
