@@ -6,9 +6,9 @@ process builds the experiment (`load_experiment("default" | "scan")` with
 `model.num_layers=N`) and a `Trainer`, then measures, with `time.perf_counter`:
 
 - init state: `jax.jit(trainer.step._init_state, out_shardings=...)` (what
-  `Trainer.init_state` runs) split into lower (trace + MLIR), XLA compile, and
+  `TrainStep.init_state` runs) split into lower (trace + MLIR), XLA compile, and
   execution;
-- train step: `Trainer.compiled_train_step()` on the real state and a real batch,
+- train step: `TrainStep.compiled_train_step()` on the real state and a real batch,
   split into lower, XLA compile and the first execution (blocked on);
 
 plus the number and total duration of XLA backend compilations in each phase, from
@@ -91,7 +91,7 @@ def _worker(variant: str, layers: int, smoke: bool) -> dict[str, Any]:
     overrides = [f"model.num_layers={layers}", *(SMOKE_OVERRIDES if smoke else ())]
     (trainer, setup_s, setup_c, _) = phase(lambda: Trainer(load_experiment(VARIANTS[variant], overrides)))
 
-    # Init state, as Trainer.init_state runs it, split into its parts.
+    # Init state, as TrainStep.init_state runs it, split into its parts.
     key_data = jax.random.key_data(jax.random.key(trainer.cfg.trainer.seed))
     init_jit = jax.jit(trainer.step._init_state, out_shardings=trainer.step.state_shardings)
     init_lowered, init_lower_s, init_lower_c, init_lower_t = phase(lambda: init_jit.lower(key_data))

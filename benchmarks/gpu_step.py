@@ -13,7 +13,7 @@ Two contenders, each a full train step (forward, backward, AdamW, state donated)
 
 - `axcore`: `load_experiment(None, ["plugins=[rope,swiglu]", ...])` with the shape,
   `model.compute_dtype=bfloat16` and the rope/norm settings as overrides, the real
-  `Trainer.init_state()` and `Trainer.compiled_train_step()`;
+  `TrainStep.init_state()` and `TrainStep.compiled_train_step()`;
 - `pure_jax`: `benchmarks.llama_jax`, started from a copy of axcore's initial
   parameters, with the hyperparameters and weight-decay mask read from axcore's
   resolved experiment and parameter specs.

@@ -6,7 +6,7 @@ process, since a child's ru_maxrss includes what it inherited before exec):
 
 - `axcore_train`: `python -m axcore.cli train --set trainer.max_steps=N` on the
   default experiment (the whole job: data, eval, checkpoint, TensorBoard, sample);
-- `axcore_step`: only axcore's `Trainer.init_state()` and `compiled_train_step()`
+- `axcore_step`: only axcore's `TrainStep.init_state()` and `compiled_train_step()`
   on corpus batches (this module run as a script), to tell the framework's step
   from the training loop's extras;
 - `pure_jax_step`: `python -m benchmarks.pure_jax_model --steps N` (random tokens).

@@ -4,8 +4,8 @@ One decoder (vocab 256, d_model 256, 4 layers, 4 heads, FFN 1024 exact GELU, seq
 batch 8, float32, RoPE, pre-RMSNorm, untied head, AdamW with clipping and weight
 decay masked off norm scales, constant learning rate), four ways:
 
-- `axcore`: `load_experiment(None, ["plugins=[rope]", ...])`, `Trainer.init_state()`
-  and `Trainer.compiled_train_step()`, exactly what `axcore train` runs;
+- `axcore`: `load_experiment(None, ["plugins=[rope]", ...])`, `TrainStep.init_state()`
+  and `TrainStep.compiled_train_step()`, exactly what `axcore train` runs;
 - `axcore_scan`: the same through the built-in `scan` experiment (lax.scan stack);
 - `pure_jax`: `benchmarks.pure_jax_model`;
 - `flax_nnx`: `benchmarks.flax_model` (skipped with a note when flax is missing).
