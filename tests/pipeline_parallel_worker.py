@@ -164,7 +164,7 @@ def main() -> None:
     t0 = time.perf_counter()
     plugged = Trainer(experiment(ONE_AT_A_TIME, {"stage": 4, "data": 2}), devices=jax.devices())
     want = logits(single.trainer, single.place(init)["params"], batches[0])
-    got = logits(plugged, jax.device_put(init["params"], plugged.state_shardings["params"]), batches[0])
+    got = logits(plugged, jax.device_put(init["params"], plugged.step.state_shardings["params"]), batches[0])
     plugin = {"max_abs_diff": float(np.max(np.abs(got - want))), "max_abs": float(np.max(np.abs(want))),
               "log": [p.describe() for p in pipeline_plans(plugged.cfg.model, {"stage": 4, "data": 2})]}
     seconds["plugin_schedule"] = round(time.perf_counter() - t0, 2)
