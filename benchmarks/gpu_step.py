@@ -13,7 +13,7 @@ Two contenders, each a full train step (forward, backward, AdamW, state donated)
 
 - `axcore`: `load_experiment(None, ["plugins=[rope,swiglu]", ...])` with the shape,
   `model.compute_dtype=bfloat16` and the rope/norm settings as overrides, the real
-  `Trainer.init_state()` and `Trainer.compiled_train_step()`;
+  `TrainStep.init_state()` and `TrainStep.compiled_train_step()`;
 - `pure_jax`: `benchmarks.llama_jax`, started from a copy of axcore's initial
   parameters, with the hyperparameters and weight-decay mask read from axcore's
   resolved experiment and parameter specs.
@@ -179,9 +179,9 @@ def select_attention(experiment, trainer, shape: LlamaShape, attention: str) -> 
     kv = jax.ShapeDtypeStruct((shape.batch, shape.seq, shape.kv_heads, shape.head_dim), dtype)
     rules = experiment.config.mesh.axis_rules or {}
     inputs = (("q", q), ("kv", kv), ("kv", kv))
-    specs = tuple(activation_spec(QKV_AXES[which], a.shape, rules, trainer.mesh) for which, a in inputs)
+    specs = tuple(activation_spec(QKV_AXES[which], a.shape, rules, trainer.step.mesh) for which, a in inputs)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    problem = AttentionProblem.of(q, kv, mesh=trainer.mesh, input_specs=specs, scale=scale, causal=True, site="bench")
+    problem = AttentionProblem.of(q, kv, mesh=trainer.step.mesh, input_specs=specs, scale=scale, causal=True, site="bench")
     try:
         return kernels.select(ATTENTION, problem, requested=None if attention == "auto" else attention).name
     except AxcoreError as e:
@@ -273,7 +273,7 @@ def setup_axcore(args: argparse.Namespace, shape: LlamaShape, attention: str) ->
     pure_attention = kernel if kernel in ("xla", "cudnn") else "xla"
     if pure_attention != kernel:
         notes.append(f"axcore selected attention kernel '{kernel}', which pure JAX lacks; pure JAX runs 'xla'.")
-    specs = trainer.model.parameter_specs()
+    specs = trainer.step.model.parameter_specs()
     leaves = jax.tree.leaves(specs, is_leaf=lambda x: hasattr(x, "weight_decay_scale"))
     scales = {s.weight_decay_scale for s in leaves}
     if not scales <= {0.0, 1.0}:
@@ -310,10 +310,10 @@ def run_phase(args: argparse.Namespace, attention: str) -> dict[str, Any]:
 
     # Both steps compiled from abstract inputs before any state exists (autotuning scratch comes first).
     ids = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32)
-    abstract = trainer.abstract_state()
-    ax_ids = jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=trainer.batch_sharding)
+    abstract = trainer.step.abstract_state()
+    ax_ids = jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=trainer.step.batch_sharding)
     log("compiling axcore's train step ...")
-    ax_compiled = _compile(trainer.compiled_train_step(), abstract, {"input_ids": ax_ids, "target_labels": ax_ids})
+    ax_compiled = _compile(trainer.step.compiled_train_step(), abstract, {"input_ids": ax_ids, "target_labels": ax_ids})
     log(f"  {ax_compiled[2]}")
     pure_abstract = llama_jax.from_axcore(
         abstract["params"], lambda a, new: jax.ShapeDtypeStruct(_reshaped(a.shape, new), a.dtype)
@@ -335,7 +335,7 @@ def run_phase(args: argparse.Namespace, attention: str) -> dict[str, Any]:
     batches = [{"input_ids": t[:, :-1], "target_labels": t[:, 1:]} for t in tokens]
 
     # axcore first, alone on the device: its state, a host copy of its initial parameters, its first step.
-    state = trainer.init_state()
+    state = trainer.step.init_state()
     initial = llama_jax.from_axcore(state["params"], llama_jax.host_copy)  # Before its step donates the state.
 
     def axcore_step(state, batch):
@@ -343,7 +343,7 @@ def run_phase(args: argparse.Namespace, attention: str) -> dict[str, Any]:
         return state, metrics["loss"]
 
     axcore = Contender(
-        "axcore", axcore_step, state, [jax.device_put(b, trainer.batch_sharding) for b in batches],
+        "axcore", axcore_step, state, [jax.device_put(b, trainer.step.batch_sharding) for b in batches],
         llama_jax.num_params(state["params"]), *ax_compiled, s.kernel,
     )
     del state

@@ -157,13 +157,13 @@ def build(name: str, args: argparse.Namespace, shape: LlamaShape) -> Variant:
     experiment = load_experiment(None, settings)
     set_pallas_options(experiment, args.pallas_options)
     trainer = Trainer(experiment)
-    ids = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32, sharding=trainer.batch_sharding)
+    ids = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32, sharding=trainer.step.batch_sharding)
     fields = ("input_ids", "target_labels") + (("segment_ids", "positions") if packed else ())
     started = time.perf_counter()
     with record_kernel_choices() as choices:
-        compiled = trainer.compiled_train_step().trace(trainer.abstract_state(), dict.fromkeys(fields, ids)).lower().compile()
+        compiled = trainer.step.compiled_train_step().trace(trainer.step.abstract_state(), dict.fromkeys(fields, ids)).lower().compile()
     seconds = time.perf_counter() - started
-    return Variant(name, trainer, compiled, seconds, trainer.init_state(), packed, _plain(choices))
+    return Variant(name, trainer, compiled, seconds, trainer.step.init_state(), packed, _plain(choices))
 
 
 def _plain(choices: Any) -> dict:
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:  # A contender that cannot build is reported, the others run.
             failed[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
             print(f"[gpu_variants]   failed: {failed[name]}", file=sys.stderr, flush=True)
-    on_device = {name: jax.device_put(packed if v.packed else plain, v.trainer.batch_sharding) for name, v in variants.items()}
+    on_device = {name: jax.device_put(packed if v.packed else plain, v.trainer.step.batch_sharding) for name, v in variants.items()}
     memory = {"after_builds": _memory()}
     for name, v in variants.items():
         v.run(on_device[name], args.warmup)
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             v.losses.clear()
             for i in range(0, args.loss_steps, 50):
                 chunk = more[i:i + 50]  # Steps i.. take chunk[0..]: i is a multiple of the chunk's 50.
-                v.run(jax.device_put(chunk, v.trainer.batch_sharding), len(chunk))
+                v.run(jax.device_put(chunk, v.trainer.step.batch_sharding), len(chunk))
             loss_curves[name] = [float(x) for x in jax.device_get(v.losses)]
     data["loss_curves"] = loss_curves
     if {"bf16", "fp8"} <= set(loss_curves):

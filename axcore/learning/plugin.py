@@ -1,8 +1,4 @@
-"""Built-in plugin of learning: the optimizers (adamw, adafactor, lion, sgd), learning-rate schedules and objectives (next_token).
-
-Registered under its former name `axcore.trainer.plugin` (the provenance that configs and
-`axcore plugins` show; `axcore.experiment.builtins`).
-"""
+"""Built-in plugin of learning: the optimizers (adamw, adafactor, lion, sgd), learning-rate schedules and objectives (next_token)."""
 
 from axcore.learning.objectives import OBJECTIVES
 from axcore.learning.optimizers import OPTIMIZERS

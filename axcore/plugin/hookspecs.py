@@ -59,7 +59,7 @@ from axcore.plugin.specs import config, data, extension, model, platform, traini
 
 # Version of the plugin API these specs define (see "Evolution policy" above); a plugin
 # requires one with `AXCORE_PLUGIN_API = ">=1.0"`.
-PLUGIN_API_VERSION = "1.3"
+PLUGIN_API_VERSION = "1.4"
 
 # The phase modules, in the order the hook reference (docs/hooks.md) lists them.
 PHASES: tuple[ModuleType, ...] = (extension, model, data, training, platform, config)

@@ -113,7 +113,7 @@ def component_plugins() -> dict[str, ModuleType]:
     adds the experiment layer's config modifiers), as pytest's config owns its default
     plugins; a manager built here without `builtins=` gets these. The names are the
     built-ins' stable names (the provenance configs and `axcore plugins` show): the
-    platform's plugin keeps `axcore.platform.mesh`, learning's keeps `axcore.trainer.plugin`.
+    platform's plugin keeps `axcore.platform.mesh`.
     """
     from axcore.checkpoint import plugin as checkpoint  # Deferred: imported when a manager is built.
     from axcore.data import plugin as data
@@ -123,6 +123,7 @@ def component_plugins() -> dict[str, ModuleType]:
     from axcore.learning import plugin as learning
     from axcore.observe import plugin as observe
     from axcore.platform import plugin as platform
+    from axcore.trainer import plugin as trainer
 
     return {
         "axcore.layers.plugin": layers,
@@ -130,7 +131,8 @@ def component_plugins() -> dict[str, ModuleType]:
         "axcore.platform.mesh": platform,
         "axcore.data.plugin": data,
         "axcore.checkpoint.plugin": checkpoint,
-        "axcore.trainer.plugin": learning,
+        "axcore.learning.plugin": learning,
+        "axcore.trainer.plugin": trainer,
         "axcore.observe.plugin": observe,
         "axcore.experiments.plugin": experiments,
     }

@@ -45,7 +45,7 @@ def restore_train_state(
 ) -> tuple[dict, dict, bool]:
     """`(state, metadata, params_only)`: the train state of `step` (None: the latest that verifies).
 
-    `trainer` is the `Trainer` or `TrainStep` resuming (its `abstract_state()`, `optimizer`,
+    `trainer` is the `TrainStep` resuming (its `abstract_state()`, `optimizer`,
     `objective` and `state_shardings`). Lines from `restore_verified` (steps skipped) go to `report`,
     only for the attempt that succeeds.
 

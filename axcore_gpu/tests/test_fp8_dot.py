@@ -321,11 +321,11 @@ def test_short_bfloat16_training_run_with_fp8_reduces_the_loss(tmp_path):
         objects={"fp8": axcore_gpu.fp8_plugin},
     )
     trainer = Trainer(exp)
-    state, step = trainer.init_state(), trainer.compiled_train_step()
-    batches = trainer.cfg.input.make_iterator(Split.TRAIN, trainer.tokenizer)
+    state, step = trainer.step.init_state(), trainer.step.compiled_train_step()
+    batches = trainer.cfg.input.make_iterator(Split.TRAIN, trainer.step.tokenizer)
     losses = []
     for i in range(steps):
-        batch = jax.device_put(next(batches), trainer.batch_sharding)
+        batch = jax.device_put(next(batches), trainer.step.batch_sharding)
         if i == 0:
             with record_kernel_choices() as choices:
                 state, metrics = step(state, batch)

@@ -53,7 +53,7 @@ def restored(run: Trainer, backend: str, step: int):
     """The state of checkpoint `step` restored into `run`'s shardings."""
     store = make_checkpoint_backend(run.cfg.trainer.checkpoint, run.experiment.registries, run.run_dir / "checkpoints")
     try:
-        state, _ = store.restore(run.abstract_state(), step)
+        state, _ = store.restore(run.step.abstract_state(), step)
     finally:
         store.close()
     return state

@@ -92,7 +92,8 @@ def test_plugins_lists_builtins(capsys):
     assert main(["plugins", "--all"]) == 0
     out = capsys.readouterr().out
     assert "axcore.layers.plugin" in out and "axcore_register_layers" in out and "built-in" in out
-    assert "axcore.trainer.plugin" in out and "axcore_register_optimizers" in out
+    assert "axcore.learning.plugin" in out and "axcore_register_optimizers" in out
+    assert "axcore.trainer.plugin" in out and "axcore_register_loop_hooks" in out
     assert "plugin adds commands" in out or "Commands added by plugins" in out
 
 

@@ -28,15 +28,15 @@ def trainer_for(extra, devices):
 
 def main() -> None:
     single = trainer_for([], jax.devices()[:1])
-    params = jax.device_get(jax.jit(single.model.initialize)(jax.random.key(3)))
-    with single.op_environment():
-        one_device = Generator(single.model, max_new_tokens=8)(params, PROMPTS)
+    params = jax.device_get(jax.jit(single.step.model.initialize)(jax.random.key(3)))
+    with single.step.op_environment():
+        one_device = Generator(single.step.model, max_new_tokens=8)(params, PROMPTS)
     mesh = trainer_for(MESH, jax.devices())
-    placed = jax.device_put(params, mesh.state_shardings["params"])
-    with mesh.op_environment():
-        sharded = Generator(mesh.model, max_new_tokens=8)(placed, PROMPTS)
+    placed = jax.device_put(params, mesh.step.state_shardings["params"])
+    with mesh.step.op_environment():
+        sharded = Generator(mesh.step.model, max_new_tokens=8)(placed, PROMPTS)
         prefill = jax.jit(
-            lambda p, x: functional(mesh.model, p, (x, mesh.model.init_cache(4, 16)), None, False, method="extend")[0]
+            lambda p, x: functional(mesh.step.model, p, (x, mesh.step.model.init_cache(4, 16)), None, False, method="extend")[0]
         )
         _, cache = prefill(placed, np.zeros((4, 8), np.int32))
     specs = {

@@ -17,6 +17,7 @@ from axcore.inference.evaluation import evaluate_run, windows
 from axcore.inference.run_loading import load_model
 from axcore.observe import read_jsonl_metrics
 from axcore.testing import TINY_OVERRIDES
+from axcore.trainer.evaluate import evaluate_input
 from axcore.trainer.inputs import input_pipeline
 from axcore.trainer.trainer import Trainer
 
@@ -99,7 +100,7 @@ def _numpy_document_loss(loaded, batches):
 
 def test_trainer_and_axcore_eval_are_one_evaluation_equal_to_numpy(run, capsys):
     """The run's logged eval (step 3, trainer.eval_batches=2), `axcore eval --max-batches 2` and
-    Trainer.evaluate of the same parameters: one loss over the same tokens, equal to NumPy's."""
+    `evaluate_input` of the trainer's step object on the same parameters: one loss over the same tokens, equal to NumPy's."""
     assert main(["eval", str(run), "--max-batches", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"step 3 of {run.resolve()}: loss ") and "validation split of the run's input pipeline" in out
@@ -111,12 +112,12 @@ def test_trainer_and_axcore_eval_are_one_evaluation_equal_to_numpy(run, capsys):
     assert logged["eval/loss"] == pytest.approx(first.loss, rel=1e-6, abs=1e-6)
     loaded = load_model(run)
     trainer = Trainer(loaded.experiment)
-    totals = trainer.evaluate(loaded.params, 2)
+    totals = evaluate_input(trainer.step, loaded.params, Split.EVAL, 2)
     assert totals.tokens == first.tokens and totals.loss == pytest.approx(first.loss, rel=1e-6, abs=1e-6)
     # The same two batches, read from the pipeline on the host, and scored one document at a time in NumPy.
     config = loaded.experiment.config
-    layout = shard_layout(trainer.batch_sharding, (config.input.batch_size, config.input.seq_len), None)
-    pipeline = input_pipeline(config.input, Split.EVAL, trainer.tokenizer, config.model.vocab_size, layout)
+    layout = shard_layout(trainer.step.batch_sharding, (config.input.batch_size, config.input.seq_len), None)
+    pipeline = input_pipeline(config.input, Split.EVAL, trainer.step.tokenizer, config.model.vocab_size, layout)
     xent, weight = _numpy_document_loss(loaded, [next(pipeline) for _ in range(2)])
     assert weight == first.tokens and xent / weight == pytest.approx(first.loss, rel=1e-5)
 

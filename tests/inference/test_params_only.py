@@ -13,6 +13,7 @@ from axcore.cli import main
 from axcore.experiment import load_experiment
 from axcore.inference.run_loading import load_model, save_model
 from axcore.testing import TINY_OVERRIDES
+from axcore.trainer.callbacks import Sample
 from axcore.trainer.trainer import Trainer
 
 SETTINGS = [*TINY_OVERRIDES, "trainer.max_steps=3", "trainer.checkpoint.every_n_steps=3", "trainer.eval_every=0",
@@ -60,16 +61,15 @@ def test_save_model_writes_parameters_only(tmp_path):
 def test_loading_a_train_run_does_not_read_the_optimizer_state(tmp_path, monkeypatch):
     run = tmp_path / "run"
     final = {}
-    original = Trainer._sample
+    original = Sample.on_run_end
 
-    def capture(self, params):
-        final["params"] = jax.device_get(params)
-        return ""
+    def capture(self, run):  # The final parameters, no sample.
+        final["params"] = jax.device_get(run.state["params"])
 
-    monkeypatch.setattr(Trainer, "_sample", capture)
+    monkeypatch.setattr(Sample, "on_run_end", capture)
     overrides = [*SETTINGS, "trainer.checkpoint.backend=tensorstore", f"trainer.run_dir={run}"]
     assert main(["train", *_sets(overrides)]) == 0
-    monkeypatch.setattr(Trainer, "_sample", original)
+    monkeypatch.setattr(Sample, "on_run_end", original)
     step = run / "checkpoints" / "step_00000003"
     moments = [p for p in (step / "arrays").glob("opt_state*/c/**/*") if p.is_file()]
     assert moments
@@ -84,7 +84,7 @@ def test_loading_a_train_run_does_not_read_the_optimizer_state(tmp_path, monkeyp
     backend = exp.registries.checkpoint_backends["tensorstore"](run / "checkpoints")
     try:
         with pytest.raises(CheckpointError, match=r"\['opt_state'\].*checksum"):
-            backend.restore(Trainer(exp).abstract_state(), 3)
+            backend.restore(Trainer(exp).step.abstract_state(), 3)
     finally:
         backend.close()
 

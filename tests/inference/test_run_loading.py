@@ -13,7 +13,7 @@ from axcore.cli import main
 from axcore.experiment import load_experiment
 from axcore.inference.run_loading import LoadedModel, RunLoadError, load_model, locate_run, save_model
 from axcore.testing import TINY_OVERRIDES
-from axcore.trainer.trainer import Trainer
+from axcore.trainer.callbacks import Sample
 
 TRAIN = [*TINY_OVERRIDES, "trainer.max_steps=4", "trainer.checkpoint.every_n_steps=2", "trainer.checkpoint.keep_last_n=null",
          "trainer.eval_every=0", "trainer.sample.num_tokens=0", "trainer.metrics_writers=[{type: jsonl}]"]
@@ -22,16 +22,16 @@ TRAIN = [*TINY_OVERRIDES, "trainer.max_steps=4", "trainer.checkpoint.every_n_ste
 def _train(run_dir, monkeypatch, *extra):
     """Runs `axcore train` in this process; -> the run's final parameters (host copies)."""
     final = {}
-    original = Trainer._sample
+    original = Sample.on_run_end
 
-    def capture(self, params):
-        final["params"] = jax.device_get(params)
-        return original(self, params)
+    def capture(self, run):
+        final["params"] = jax.device_get(run.state["params"])
+        return original(self, run)
 
-    monkeypatch.setattr(Trainer, "_sample", capture)
+    monkeypatch.setattr(Sample, "on_run_end", capture)
     args = ["train"] + [a for o in [*TRAIN, f"trainer.run_dir={run_dir}", *extra] for a in ("--set", o)]
     assert main(args) == 0
-    monkeypatch.setattr(Trainer, "_sample", original)
+    monkeypatch.setattr(Sample, "on_run_end", original)
     return final["params"]
 
 

@@ -134,16 +134,16 @@ def train(extra: list[str], shape: dict[str, int], initial=None):
     ]
     exp = load_experiment(None, overrides)
     trainer = Trainer(exp, devices=jax.devices()[: math.prod(shape.values())])
-    state = trainer.init_state() if initial is None else jax.device_put(initial, trainer.state_shardings)
+    state = trainer.step.init_state() if initial is None else jax.device_put(initial, trainer.step.state_shardings)
     init = jax.device_get(state)
     with record_kernel_choices() as choices:
-        step = trainer.compiled_train_step().lower(state, trainer.step.abstract_batch()).compile()
-    with trainer.op_environment():
-        shards = trainer.model.context_shards((exp.config.input.batch_size, exp.config.input.seq_len))
-    batches = exp.config.input.make_iterator(Split.TRAIN, trainer.tokenizer)
+        step = trainer.step.compiled_train_step().lower(state, trainer.step.abstract_batch()).compile()
+    with trainer.step.op_environment():
+        shards = trainer.step.model.context_shards((exp.config.input.batch_size, exp.config.input.seq_len))
+    batches = exp.config.input.make_iterator(Split.TRAIN, trainer.step.tokenizer)
     losses = []
     for _ in range(STEPS):
-        state, metrics = step(state, jax.device_put(next(batches), trainer.batch_sharding))
+        state, metrics = step(state, jax.device_put(next(batches), trainer.step.batch_sharding))
         losses.append(metrics["loss"])
     return init, [float(x) for x in jax.device_get(losses)], describe_kernel_choices(choices), shards
 

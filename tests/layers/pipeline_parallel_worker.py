@@ -88,12 +88,12 @@ class Run:
     def train(self, state, batches):
         losses = []
         for batch in batches:
-            state, metrics = self.step(state, jax.device_put(batch, self.trainer.batch_sharding))
+            state, metrics = self.step(state, jax.device_put(batch, self.trainer.step.batch_sharding))
             losses.append(metrics["loss"])
         return state, [float(x) for x in jax.device_get(losses)]
 
     def place(self, host_state):
-        return jax.device_put(host_state, self.trainer.state_shardings)
+        return jax.device_put(host_state, self.trainer.step.state_shardings)
 
 
 def logits(trainer: Trainer, params, batch):
@@ -102,9 +102,9 @@ def logits(trainer: Trainer, params, batch):
     def fn(params, input_ids, positions, segment_ids):
         with trainer.step.op_environment():
             inputs = {"input_ids": input_ids, "positions": positions, "segment_ids": segment_ids}
-            return functional(trainer.model, params, inputs, None, False, method="logits")[0]
+            return functional(trainer.step.model, params, inputs, None, False, method="logits")[0]
 
-    fields = [jax.device_put(batch[k], trainer.batch_sharding) for k in ("input_ids", "positions", "segment_ids")]
+    fields = [jax.device_put(batch[k], trainer.step.batch_sharding) for k in ("input_ids", "positions", "segment_ids")]
     return np.asarray(jax.jit(fn)(params, *fields))
 
 
@@ -124,7 +124,7 @@ def save(run: Run, state, directory: str, step: int) -> None:
 def restore(run: Run, directory: str, step: int):
     store = make_checkpoint_backend(run.trainer.cfg.trainer.checkpoint, run.trainer.experiment.registries, directory)
     try:
-        return store.restore(run.trainer.abstract_state(), step)[0]
+        return store.restore(run.trainer.step.abstract_state(), step)[0]
     finally:
         store.close()
 
@@ -145,8 +145,8 @@ def main() -> None:
     ]
     runs, seconds, trained = {}, {}, {}
     single = Run([], {"data": 1})
-    init = jax.device_get(single.trainer.init_state())
-    iterator = single.trainer.cfg.input.make_iterator(Split.TRAIN, single.trainer.tokenizer)
+    init = jax.device_get(single.trainer.step.init_state())
+    iterator = single.trainer.cfg.input.make_iterator(Split.TRAIN, single.trainer.step.tokenizer)
     batches = [next(iterator) for _ in range(STEPS + 2 * MORE)]
     for name, extra, shape, reference in cases:
         t0 = time.perf_counter()
@@ -160,7 +160,7 @@ def main() -> None:
     t0 = time.perf_counter()
     plugged = Trainer(experiment(ONE_AT_A_TIME, {"stage": 4, "data": 2}), devices=jax.devices())
     want = logits(single.trainer, single.place(init)["params"], batches[0])
-    got = logits(plugged, jax.device_put(init["params"], plugged.state_shardings["params"]), batches[0])
+    got = logits(plugged, jax.device_put(init["params"], plugged.step.state_shardings["params"]), batches[0])
     plugin = {"max_abs_diff": float(np.max(np.abs(got - want))), "max_abs": float(np.max(np.abs(want))),
               "log": [p.describe() for p in pipeline_plans(plugged.cfg.model, {"stage": 4, "data": 2})]}
     seconds["plugin_schedule"] = round(time.perf_counter() - t0, 2)

@@ -166,7 +166,7 @@ def test_the_plugins_experiment_optimizer_schedule_writer_and_tokenizer_take_eff
     exp = load_experiment("ext_tiny", overrides, objects=OBJECTS)
     assert exp.config.name == "ext_tiny" and "plugin 'ext'" in exp.source
     trainer = Trainer(exp)
-    initial = jax.device_get(trainer.init_state()["params"])
+    initial = jax.device_get(trainer.step.init_state()["params"])
     result = trainer.run()
 
     # The writer got one record per step (log_every=1) and was closed.
@@ -183,7 +183,7 @@ def test_the_plugins_experiment_optimizer_schedule_writer_and_tokenizer_take_eff
     model = exp.config.model.instantiate(name="model", registries=exp.registries)
     grads = jax.grad(lambda p: axcore.functional(model, p, (batch,), None, True)[0][0])(initial)
     store = exp.registries.checkpoint_backends["orbax"](tmp_path / "checkpoints")
-    after_one, _ = store.restore(trainer.abstract_state(), step=1)
+    after_one, _ = store.restore(trainer.step.abstract_state(), step=1)
     store.close()
     for got, p, g in zip(jax.tree.leaves(after_one["params"]), jax.tree.leaves(initial), jax.tree.leaves(grads)):
         expected = np.asarray(p, np.float64) - 0.01 * 3.0 * np.asarray(g, np.float64)

@@ -57,13 +57,13 @@ def train(extra: list[str], shape: dict[str, int], initial: dict | None = None):
     exp = load_experiment(None, [*BASE, *extra, *mesh_overrides(shape)])
     devices = jax.devices()[: math.prod(shape.values())]
     trainer = Trainer(exp, devices=devices)
-    state = trainer.init_state() if initial is None else jax.device_put(initial, trainer.state_shardings)
+    state = trainer.step.init_state() if initial is None else jax.device_put(initial, trainer.step.state_shardings)
     init = jax.device_get(state)  # Before the first step donates it.
-    step = trainer.compiled_train_step()
-    batches = exp.config.input.make_iterator(Split.TRAIN, trainer.tokenizer)
+    step = trainer.step.compiled_train_step()
+    batches = exp.config.input.make_iterator(Split.TRAIN, trainer.step.tokenizer)
     losses = []
     for _ in range(STEPS):
-        state, metrics = step(state, jax.device_put(next(batches), trainer.batch_sharding))
+        state, metrics = step(state, jax.device_put(next(batches), trainer.step.batch_sharding))
         losses.append(metrics["loss"])
     return trainer, init, state, [float(x) for x in jax.device_get(losses)]
 
@@ -84,8 +84,8 @@ def _key(path) -> str:
 
 def check_layout(trainer: Trainer, state: dict) -> dict:
     """Parameters, optimizer state and batch of a trained state vs. the rules; per-device bytes."""
-    mesh = trainer.mesh
-    specs = trainer.model.parameter_specs()
+    mesh = trainer.step.mesh
+    specs = trainer.step.model.parameter_specs()
     flat_specs = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, ParameterSpec))[0]
     params = dict((_key(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(state["params"])[0])
     expected = {}
@@ -118,7 +118,7 @@ def check_layout(trainer: Trainer, state: dict) -> dict:
     position = [x for k, x in params.items() if "position_embedding" in k]
     position_extra = 3 * sum(x.nbytes // 2 - x.nbytes // 4 for x in position)  # params, Adam's mu and nu.
     # The batch: split over data and fsdp, the same rows on the tensor axis.
-    batch = jax.device_put(next(trainer.cfg.input.make_iterator(Split.TRAIN, trainer.tokenizer)), trainer.batch_sharding)
+    batch = jax.device_put(next(trainer.cfg.input.make_iterator(Split.TRAIN, trainer.step.tokenizer)), trainer.step.batch_sharding)
     ids = batch["input_ids"]
     rows = {}
     for shard in ids.addressable_shards:

@@ -224,7 +224,7 @@ def _final_state(backend: str, run_dir: pathlib.Path):
     store = exp.registries.checkpoint_backends[backend](run_dir / "checkpoints")
     try:
         step = store.latest_step()
-        state, metadata = store.restore(trainer.abstract_state())
+        state, metadata = store.restore(trainer.step.abstract_state())
     finally:
         store.close()
     return jax.device_get(state), metadata, step

@@ -21,12 +21,12 @@ def _train(microbatches: int):
     overrides = [*TINY_OVERRIDES, "input.batch_size=8", f"trainer.microbatches={microbatches}", "trainer.max_steps=3"]
     experiment = load_experiment(None, overrides)
     trainer = Trainer(experiment)
-    state = trainer.init_state()
-    step = trainer.compiled_train_step()
-    batches = experiment.config.input.make_iterator(Split.TRAIN, trainer.tokenizer)
+    state = trainer.step.init_state()
+    step = trainer.step.compiled_train_step()
+    batches = experiment.config.input.make_iterator(Split.TRAIN, trainer.step.tokenizer)
     records = []
     for _ in range(STEPS):
-        state, metrics = step(state, jax.device_put(next(batches), trainer.batch_sharding))
+        state, metrics = step(state, jax.device_put(next(batches), trainer.step.batch_sharding))
         records.append(jax.device_get(metrics))
     return jax.device_get(state["params"]), records
 

@@ -165,7 +165,7 @@ def test_a_second_run_on_the_same_directory_is_refused_and_the_first_is_untouche
     reference = tmp_path / "reference"
     assert subprocess.run(command(reference), env=env, capture_output=True, timeout=PROCESS_TIMEOUT).returncode == 0
     exp = load_experiment("default", [*TINY_OVERRIDES, "input.batch_size=4"])
-    target = Trainer(exp).abstract_state()
+    target = Trainer(exp).step.abstract_state()
     backends = [OrbaxBackend(d / "checkpoints") for d in (run_dir, reference)]
     assert backends[0].all_steps() == backends[1].all_steps() == [2, 4, 6, 8]
     for step in (2, 4, 6, 8):
@@ -263,7 +263,7 @@ def test_the_compiled_estimate_is_checked_against_the_device(tmp_path, monkeypat
 
     monkeypatch.chdir(tmp_path)
     exp = load_experiment("default", [*TINY_OVERRIDES, "trainer.max_steps=1"])
-    state_bytes = memory_check.per_device_bytes(Trainer(exp).abstract_state())
+    state_bytes = memory_check.per_device_bytes(Trainer(exp).step.abstract_state())
     # Room for the state, not for the step's activations and temporaries.
     monkeypatch.setattr(memory_check, "device_memory_bytes", lambda device: state_bytes + 1)
     assert cli.main(_argv([*TINY_OVERRIDES, "trainer.max_steps=1"])) == 2

@@ -32,7 +32,7 @@ def _restore(run_dir, backend, *extra, objects=None):
     )
     trainer = Trainer(exp)
     store = exp.registries.checkpoint_backends[backend](run_dir / "checkpoints")
-    state, metadata = store.restore(trainer.abstract_state())
+    state, metadata = store.restore(trainer.step.abstract_state())
     store.close()
     return jax.device_get(state), metadata
 

@@ -1,4 +1,4 @@
-"""Registration hookspecs of training: optimizers, schedules, pipeline schedules, objectives, metrics writers.
+"""Registration hookspecs of training: optimizers, schedules, pipeline schedules, objectives, metrics writers, loop hooks.
 
 The calling convention, the phases and the evolution policy: `axcore.plugin.hookspecs`.
 """
@@ -12,7 +12,7 @@ from axcore.learning.schedules import Schedule
 from axcore.markers import hookspec
 from axcore.observe.factories import MetricsWriterFactory
 from axcore.plugin.register_callbacks import RegisterComponent
-from axcore.registry import Family, module_class_validator, registers
+from axcore.registry import Family, callable_validator, module_class_validator, registers
 
 # -- Phase 1: registration: training ---------------------------------------------------
 
@@ -104,4 +104,26 @@ def axcore_register_metrics_writers(register: RegisterComponent) -> None:
     duplicate-name rule, one config namespace). The built-ins are jsonl and
     tensorboard; the trainer writes every fetched record to each listed writer in
     list order and closes them all at the end of the run.
+    """
+
+
+@registers(Family("loop_hooks", "loop hook", callable_validator))
+@hookspec
+def axcore_register_loop_hooks(register: RegisterComponent) -> None:
+    """Register hooks of the training loop (axcore/trainer/hooks.py): what runs at a cadence.
+
+    Args:
+        register: `register(name, factory, *, override=False)`; `factory()` (no
+            argument, e.g. the hook's class) makes one hook per `Trainer`: an object
+            with any of `on_run_start(run)`, `on_step(run)` (every `hook.every` steps),
+            `wants_fetch(run)`, `on_fetch(run)`, `on_eval(run)`, `on_record(run)`,
+            `on_run_end(run)`, `on_run_stopped(run, error)`, each given the run's
+            public view (`axcore.trainer.hooks.RunView`: step, metrics, step object,
+            run directory, config).
+
+    Returns nothing. Called like the other registration hooks (same order, same
+    duplicate-name rule). The loop runs its own hooks first (`LOOP_HOOKS`: watchdog,
+    fetch, progress, evaluation, metrics_log, checkpoint, interrupt), then the others
+    (`Trainer.callbacks`) in registration order: the built-ins `loss_plot` and `sample`,
+    then the plugins' hooks in `plugins:` order. Added in plugin API 1.4.
     """
