@@ -8,12 +8,12 @@ import json
 
 import jax
 import numpy as np
-import tiny
 
 import axcore
 from axcore.data import Split
 from axcore.experiment import load_experiment
 from axcore.observe import read_jsonl_metrics
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.callbacks import LossPlot, Sample
 from axcore.trainer.trainer import Trainer
 
@@ -44,7 +44,7 @@ class LoopHooksPlugin:
         register("eval_seen", EvalSeen)
 
 
-RUN = [*tiny.TINY, "plugins=[loop_hooks_test]", "trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=3",
+RUN = [*TINY_OVERRIDES, "plugins=[loop_hooks_test]", "trainer.max_steps=6", "trainer.log_every=2", "trainer.eval_every=3",
        "trainer.eval_batches=1", "trainer.sample.num_tokens=0", "trainer.metrics_writers=[{type: jsonl}]",
        "trainer.checkpoint.every_n_steps=1", "trainer.checkpoint.keep_last_n=null"]
 
