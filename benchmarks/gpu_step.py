@@ -124,12 +124,14 @@ def _memory() -> dict[str, int] | None:
 
 
 def _compiled_memory(compiled) -> dict[str, int] | None:
-    analysis = compiled.memory_analysis()
-    if analysis is None:
+    from axcore.trainer.memory_check import memory_analysis
+
+    analysis = memory_analysis(compiled)
+    if not analysis:
         return None
     sizes = ("argument", "output", "alias", "temp")
     fields = (*(f"{size}_size_in_bytes" for size in sizes), "peak_memory_in_bytes")
-    return {f: int(getattr(analysis, f)) for f in fields if hasattr(analysis, f)}
+    return {f: analysis[f] for f in fields if f in analysis}
 
 
 def axcore_overrides(shape: LlamaShape, args: argparse.Namespace, attention: str, plugins: list[str]) -> list[str]:
