@@ -13,7 +13,9 @@ depends on it; a cache directory the caller set is kept as it is.
 
 import atexit
 import os
+import pathlib
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -25,7 +27,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # Only compiles that take a while are worth a disk round trip.
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
-from axcore.experiment.builtins import builtin_registries
+# The developer tools (devtools/, the axcore-devtools distribution, not in the runtime wheel): `axcore loc` and the
+# docs' generators, tested here without installing them.
+_DEVTOOLS = str(pathlib.Path(__file__).resolve().parent / "devtools")
+if _DEVTOOLS not in sys.path:
+    sys.path.insert(0, _DEVTOOLS)
+
+from axcore.experiment.builtins import builtin_registries  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -240,6 +240,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     """Builds, warms up, times and profiles the contenders; writes the JSON; prints the table; returns the result."""
     from benchmarks import gpu_step
     from benchmarks.common import RESULTS, write_result
+    from benchmarks.gpu_step_result import ENV_KEYS
 
     args = parse_args(argv)
     # Before JAX starts its backend (the flags are read then), as gpu_step's children get them.
@@ -262,7 +263,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     attention = args.attention[0]
     payload = {"smoke": args.smoke, "attention": attention, **info, "steps": args.steps, "warmup": args.warmup,
                "no_command_buffers": args.no_command_buffers,
-               "env": {k: os.environ.get(k) for k in gpu_step.ENV_KEYS}, "contenders": results,
+               "env": {k: os.environ.get(k) for k in ENV_KEYS}, "contenders": results,
                "device_kind": jax.devices()[0].device_kind, "seconds": time.perf_counter() - start}
     results_dir = args.results_dir or (pathlib.Path(tempfile.mkdtemp(prefix="axcore-gpu-profile-")) if args.smoke else RESULTS)
     path = write_result(f"gpu_profile_{attention}", payload, results_dir=results_dir)

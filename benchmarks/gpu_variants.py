@@ -175,7 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax
 
     from benchmarks.common import alternate
-    from benchmarks.gpu_step import _memory, shape_of
+    from benchmarks.gpu_step import shape_of
+    from benchmarks.gpu_step_result import device_memory
 
     shape = shape_of(args)
     if not args.smoke and jax.default_backend() == "cpu":
@@ -193,12 +194,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             failed[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
             print(f"[gpu_variants]   failed: {failed[name]}", file=sys.stderr, flush=True)
     on_device = {name: jax.device_put(packed if v.packed else plain, v.trainer.step.batch_sharding) for name, v in variants.items()}
-    memory = {"after_builds": _memory()}
+    memory = {"after_builds": device_memory()}
     for name, v in variants.items():
         v.run(on_device[name], args.warmup)
     timed = {name: functools.partial(v.run, on_device[name], args.steps_per_round) for name, v in variants.items()}
     times = alternate(timed, args.rounds)
-    memory["after_timing"] = _memory()
+    memory["after_timing"] = device_memory()
     data = summary(args, shape, variants, times, failed, memory)
     save(args, data)  # Saved now: the loss curves below take longest and must not lose the timings.
 

@@ -14,12 +14,13 @@ from axcore.config import ConfigBase, InstantiableConfig, find
 from axcore.experiment import ExperimentConfig
 from axcore.layers import MultiheadAttention, RMSNorm
 from axcore.plugin import hookspecs
-from axcore.tools.experiment_reference import experiment_reference, field_comment
-from axcore.tools.hook_reference import hook_names, hook_reference, signature_text
+
+from axcore_devtools.experiment_reference import experiment_reference, field_comment
+from axcore_devtools.hook_reference import hook_names, hook_reference, signature_text
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs"
-REGENERATE = "regenerate it: python -m axcore.tools.{} > docs/{}"
+REGENERATE = "regenerate it (after pip install ./devtools): python -m axcore_devtools.{} > docs/{}"
 
 
 def blocks(doc: str, language: str) -> list[str]:

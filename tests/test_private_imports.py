@@ -28,7 +28,8 @@ def _private(part: str) -> bool:
 def _source_roots() -> dict[str, pathlib.Path]:
     """Top-level import name -> its folder, for the project's own packages."""
     roots = {"axcore": ROOT / "axcore", "benchmarks": ROOT / "benchmarks"}
-    for folder in [*ROOT.glob("axcore_*/axcore_*"), *ROOT.glob("plugins/*/axcore_*"), *ROOT.glob("examples/*/axcore_*")]:
+    folders = ["axcore_*/axcore_*", "plugins/*/axcore_*", "examples/*/axcore_*", "devtools/axcore_*"]
+    for folder in (path for pattern in folders for path in ROOT.glob(pattern)):
         if (folder / "__init__.py").exists():
             roots[folder.name] = folder
     return roots

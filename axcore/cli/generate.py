@@ -125,6 +125,28 @@ def _marker_stop(tokenizer, marker: str) -> list[int]:
     return ids if len(ids) == 1 else []
 
 
+def _print_outputs(args, conversations, prompts, outputs, tokenizer, stops: list[int], marker: str) -> None:
+    """Prints each prompt's continuation (a chat: its reply), as text or one JSON object a line (`--json`).
+
+    `outputs[i]` is the generated token ids (int array `[n_i]`) of `prompts[i]`; with
+    `conversations`, `conversations[i]` is its `(where, messages)`.
+    """
+    for i, (prompt, tokens) in enumerate(zip(prompts, outputs)):
+        if conversations:
+            reply, ended = _reply(tokenizer, tokens, stops, marker)
+            if args.json:
+                print(json.dumps({"messages": conversations[i][1], "prompt": prompt, "reply": reply,
+                                  "tokens": tokens.tolist(), "ended": ended}))
+            else:
+                print(reply)
+            continue
+        text = tokenizer.decode(tokens)
+        if args.json:
+            print(json.dumps({"prompt": prompt, "completion": text, "tokens": tokens.tolist()}))
+        else:
+            print(prompt + text)
+
+
 def run(args: argparse.Namespace) -> int:
     """Loads the run, generates, prints each prompt with its continuation; returns 0."""
     args.run = one_run(args)
@@ -185,20 +207,7 @@ def run(args: argparse.Namespace) -> int:
     with step.op_environment():
         outputs = generator(loaded.params, encoded, jax.random.key(args.seed))
     elapsed = time.perf_counter() - started
-    for i, (prompt, tokens) in enumerate(zip(prompts, outputs)):
-        if conversations:
-            reply, ended = _reply(tokenizer, tokens, stops, marker)
-            if args.json:
-                print(json.dumps({"messages": conversations[i][1], "prompt": prompt, "reply": reply,
-                                  "tokens": tokens.tolist(), "ended": ended}))
-            else:
-                print(reply)
-            continue
-        text = tokenizer.decode(tokens)
-        if args.json:
-            print(json.dumps({"prompt": prompt, "completion": text, "tokens": tokens.tolist()}))
-        else:
-            print(prompt + text)
+    _print_outputs(args, conversations, prompts, outputs, tokenizer, stops, marker)
     total = sum(len(t) for t in outputs)
     sys.stdout.flush()
     print(

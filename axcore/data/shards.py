@@ -429,3 +429,44 @@ class PreparedShards:
                     f"{self._field} '{self.path}': shard {self._names[shard]} holds token id "
                     f"{int(arrays['tokens'].max())} >= the tokenizer's vocab size {vocab}."
                 )
+
+
+def claim_output_directory(output: str, run: dict) -> bool:
+    """Makes `output` ready for a prepare run (`run`: its arguments, saved as PREPARE_FILE); True when it
+    already holds the finished dataset of this run.
+
+    Raises:
+        DataError: `output` is a file, holds other files, or was prepared with other arguments.
+    """
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise DataError(f"--output '{output}' is a file; name a new or empty directory.")
+    os.makedirs(output, exist_ok=True)
+    foreign = foreign_entries(output)
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise DataError(
+            f"--output '{output}' holds other files ({', '.join(foreign[:3])}{more}); "
+            f"name a new or empty directory (prepare writes only its shards there)."
+        )
+    prepare_path = os.path.join(output, PREPARE_FILE)
+    if os.path.exists(prepare_path):
+        try:
+            with open(prepare_path, encoding="utf-8") as f:
+                previous = json.load(f)
+        except (OSError, ValueError):
+            previous = {}
+        if previous != run:
+            keys = sorted(k for k in set(run) | set(previous or {}) if (previous or {}).get(k) != run.get(k))
+            raise DataError(
+                f"--output '{output}' was prepared with different {', '.join(keys) or 'arguments'}; repeat that run's "
+                f"arguments to resume it, or name a new (or emptied) directory."
+            )
+        remove_temporary_files(output)
+        return os.path.exists(os.path.join(output, INDEX_FILE))
+    if os.listdir(output):
+        raise DataError(
+            f"--output '{output}' holds shards without {PREPARE_FILE} (from another tool or version); "
+            f"name a new or empty directory."
+        )
+    write_json_atomically(prepare_path, run)
+    return False

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import gpu_step, llama_jax
+from benchmarks import gpu_step, llama_jax, step_accounting
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONTENDER_KEYS = {
@@ -70,7 +70,7 @@ def test_smoke_contenders_start_from_the_same_parameters(smoke_result):
     assert len(set(counts.values())) == 1 and counts["axcore"] == data["model"]["num_params"], counts
     assert data["first_step_losses_agree"], data["first_step_loss_rel_diff"]
     first = [c["first_step_loss"] for c in data["contenders"].values()]
-    assert abs(first[0] - first[1]) <= gpu_step.LOSS_RTOL * abs(first[1])
+    assert abs(first[0] - first[1]) <= step_accounting.LOSS_RTOL * abs(first[1])
 
 
 @pytest.mark.slow
@@ -100,17 +100,17 @@ def test_cudnn_without_a_usable_kernel_fails_with_a_clear_message(tmp_path):
 def test_flop_formula_of_the_full_model():
     shape = llama_jax.LlamaShape()
     assert shape.num_params() == 889_260_032  # vocab 32768, d 2048, 16 layers, GQA 16/8, SwiGLU 5632.
-    flops = gpu_step.flops_per_step(shape)
+    flops = step_accounting.flops_per_step(shape)
     assert flops["dense"] == 6 * shape.num_params_matmul() * 8 * 2048
     assert flops["attention_causal"] * 2 == flops["attention_full_square"] == 12 * 16 * 8 * 2048**2 * 2048
 
 
 def test_peak_table_matches_device_kinds():
-    assert gpu_step.peak_tflops("NVIDIA H100 80GB HBM3", "gpu", None)[0] == 989.0
-    assert gpu_step.peak_tflops("NVIDIA H100 PCIe", "gpu", None)[0] == 756.0
-    assert gpu_step.peak_tflops("NVIDIA A100-SXM4-80GB", "gpu", None)[0] == 312.0
-    assert gpu_step.peak_tflops("cpu", "cpu", None)[0] is None
-    assert gpu_step.peak_tflops("anything", "cpu", 100.0)[0] == 100.0
+    assert step_accounting.peak_tflops("NVIDIA H100 80GB HBM3", "gpu", None)[0] == 989.0
+    assert step_accounting.peak_tflops("NVIDIA H100 PCIe", "gpu", None)[0] == 756.0
+    assert step_accounting.peak_tflops("NVIDIA A100-SXM4-80GB", "gpu", None)[0] == 312.0
+    assert step_accounting.peak_tflops("cpu", "cpu", None)[0] is None
+    assert step_accounting.peak_tflops("anything", "cpu", 100.0)[0] == 100.0
 
 
 def test_hlo_matmuls_reads_gpu_style_modules():
@@ -130,7 +130,7 @@ def test_hlo_matmuls_reads_gpu_style_modules():
         "  ROOT %t = (f32[64,16]{1,0}) tuple(%custom-call.1)",
         "}",
     ])
-    found = gpu_step.hlo_matmuls(text)
+    found = step_accounting.hlo_matmuls(text)
     assert found["matmuls"] == {"dot bf16 x bf16 -> bf16": 1, "cublas f32 x bf16 -> f32": 1}
     assert found["custom_calls"] == {"__cublas$lt$matmul": 1, "__cudnn$fmhaSoftmax": 1}
     assert "cublas f32[64,32] x bf16[32,16] -> f32[64,16]" in found["matmul_shapes"]

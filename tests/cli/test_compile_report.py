@@ -8,18 +8,12 @@ import sys
 import pytest
 
 from axcore.cli import main
-from axcore.cli.compile import (
-    compile_step,
-    format_bytes,
-    parameter_counts,
-    parse_bytes,
-    scan_corrected_flops,
-    with_layers,
-)
+from axcore.cli.compile import format_bytes, parse_bytes
 from axcore.config.traversal import is_config_of
 from axcore.errors import AxcoreError
 from axcore.experiment import load_experiment
 from axcore.layers.transformer import RepeatedTransformer, StackedTransformer
+from axcore.trainer.compile_analysis import compile_step, parameter_counts, scan_corrected_flops, with_layers
 
 # A small decoder (default.yaml's stack unrolled, scan.yaml's scanned): compiles in seconds.
 TINY = [

@@ -154,11 +154,12 @@ def test_a_plugin_adds_a_schedule_that_the_modifier_and_report_use():
 
 def test_compile_report_gives_the_bubble(monkeypatch):
     from axcore.cli import compile as compile_cli
+    from axcore.trainer import compile_analysis
 
     exp = load_experiment("scan", [*TINY_OVERRIDES, "mesh.instance_type=cpu-8",
                                    "model.decoder.pipeline={type: circular, microbatches: 8, repeats: 3}"])
-    step = compile_cli.CompiledStep(None, {}, 0, 0.0, 0.0, 8, {"stage": 4, "data": 2})
-    monkeypatch.setattr(compile_cli, "compile_step", lambda experiment: step)
+    step = compile_analysis.CompiledStep(None, {}, 0, 0.0, 0.0, 8, {"stage": 4, "data": 2})
+    monkeypatch.setattr(compile_analysis, "compile_step", lambda experiment: step)
     report = compile_cli.compile_report(exp)
     assert report["pipeline_bubble"] == pytest.approx(3 / (3 * 8 + 3), abs=1e-6)
     assert "Circular, 4 stages x 8 microbatches x 3 repeats in 27 steps" in report["notes"]["pipeline_bubble"]

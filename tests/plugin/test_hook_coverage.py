@@ -15,7 +15,8 @@ import pytest
 
 import axcore
 from axcore.plugin import hookspecs
-from axcore.tools.hook_reference import hook_names
+
+from axcore_devtools.hook_reference import hook_names
 
 ROOT = pathlib.Path(__file__).parents[2]
 TEST_DIRS = [

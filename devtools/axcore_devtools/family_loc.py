@@ -1,7 +1,7 @@
 """The model-family rows of `axcore loc`: what each registered converter (a Hugging Face
 `model_type` a plugin supports, e.g. `mistral`) costs, and which core mechanisms it uses.
 
-Columns are described in `axcore.tools.loc_report`'s module docstring. A converter
+Columns are described in `axcore_devtools.loc_report`'s module docstring. A converter
 takes part in the core-line and mechanism columns when it offers `example_config()`
 (a tiny config.json as a dict); otherwise those cells are `n/a`.
 """
@@ -21,7 +21,8 @@ from axcore.config import ConfigBase, DType, InstantiableConfig, Width, walk
 from axcore.experiment.files import search_plugins
 from axcore.experiment.loading import load_experiment
 from axcore.plugin.loading import installed_entry_points, load_plugin
-from axcore.tools.loc_probe import _helpers, _hookimpls, _lines_cell, body_lines, probe
+
+from axcore_devtools.loc_probe import _helpers, _hookimpls, _lines_cell, body_lines, probe
 
 CONVERTER_HOOK = "axcore_register_model_converters"
 # The run of a family's example model (its own shapes; one device).

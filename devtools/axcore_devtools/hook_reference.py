@@ -1,6 +1,6 @@
 """The hook reference (docs/hooks.md), generated from the hookspecs' signatures and docstrings.
 
-    python -m axcore.tools.hook_reference > docs/hooks.md
+    python -m axcore_devtools.hook_reference > docs/hooks.md
 
 `tests/test_docs.py` checks that docs/hooks.md equals `hook_reference()`, so the
 reference never goes stale: edit a docstring in `axcore/plugin/specs/`, then rerun
@@ -20,7 +20,7 @@ _HEADER = """\
 
 Every hook a plugin can implement, generated from `axcore/plugin/hookspecs.py` (the phase modules of
 `axcore/plugin/specs/`) by
-`python -m axcore.tools.hook_reference > docs/hooks.md` (plugin API {version}). Implement one
+`python -m axcore_devtools.hook_reference > docs/hooks.md` (plugin API {version}). Implement one
 with `@axcore.hookimpl` on a module-level function (or a method of a plugin object) of
 the same name; it may take any subset of the arguments, by name. How to package and
 enable a plugin: [writing-a-plugin.md](writing-a-plugin.md).

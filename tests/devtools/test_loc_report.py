@@ -8,12 +8,13 @@ import textwrap
 import pytest
 
 import axcore
-import axcore.tools.loc_report
 from axcore.cli import main
 from axcore.config import replace
 from axcore.layers import RepeatedTransformer
 from axcore.layers.base import BaseLayer, checkpoint_policy
-from axcore.tools.loc_report import (
+
+import axcore_devtools.loc_report
+from axcore_devtools.loc_report import (
     CoreLineTracer,
     Probe,
     body_lines,
@@ -149,7 +150,7 @@ def test_rope_integration_is_at_most_10_lines_and_touches_every_attention_layer(
 
 @pytest.mark.slow
 def test_the_integration_cost_doc_holds_the_current_tables(report, capsys, monkeypatch):
-    monkeypatch.setattr(axcore.tools.loc_report, "loc_report", lambda: report)  # Computed once.
+    monkeypatch.setattr(axcore_devtools.loc_report, "loc_report", lambda: report)  # Computed once.
     assert main(["loc"]) == 0
     table = capsys.readouterr().out
     assert table == format_table(report) and "| model family |" in table  # Both tables.
@@ -159,7 +160,8 @@ def test_the_integration_cost_doc_holds_the_current_tables(report, capsys, monke
 @pytest.mark.slow
 def test_model_family_rows_name_the_core_mechanisms_each_family_uses():
     from axcore.layers.attention import MultiheadAttention
-    from axcore.tools.family_loc import family_report
+
+    from axcore_devtools.family_loc import family_report
 
     rows = {row.model_type: row for row in family_report()}
     assert {"llama", "mistral", "qwen2", "qwen3"} <= set(rows)
@@ -171,3 +173,10 @@ def test_model_family_rows_name_the_core_mechanisms_each_family_uses():
     # Only Qwen2's example has biases: the line declaring them runs for it alone.
     assert _line_of(MultiheadAttention._bias_specs, 'specs["bq"]') in rows["qwen2"].core_lines
     assert rows["llama"].core_lines == frozenset()
+
+
+def test_loc_without_the_developer_tools_names_what_to_install(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "axcore_devtools.loc_report", None)  # As if axcore-devtools were absent.
+    assert main(["loc"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "axcore-devtools" in err and "pip install ./devtools" in err, err

@@ -52,8 +52,9 @@ import axcore
 from axcore.config import ConfigBase, InstantiableConfig
 from axcore.experiment.loading import builtin_experiments, load_experiment, read_experiment_file
 from axcore.plugin.loading import installed_entry_points, load_plugin
-from axcore.tools.family_loc import FamilyLoc, family_report, format_family_table
-from axcore.tools.loc_probe import (  # CoreLineTracer and PROBE_OVERRIDES: re-exported, the report's instruments.
+
+from axcore_devtools.family_loc import FamilyLoc, family_report, format_family_table
+from axcore_devtools.loc_probe import (  # CoreLineTracer and PROBE_OVERRIDES: re-exported, the report's instruments.
     PROBE_OVERRIDES,
     CoreLineTracer,
     Probe,
@@ -233,7 +234,7 @@ class LocReport(list):
 
 def loc_report(families: list[str] | None = None) -> LocReport:
     """One row per installed plugin (feature plugins and any others in the group), and one per
-    model family a plugin registers a converter for (`axcore.tools.family_loc`)."""
+    model family a plugin registers a converter for (`axcore_devtools.family_loc`)."""
     families = families or probe_experiments()
     loaded = {name: load_plugin(name, eps) for name, eps in sorted(installed_entry_points().items())}
     seen: set[str] = set()
@@ -300,5 +301,5 @@ __all__ = [
 ]
 
 
-if __name__ == "__main__":  # python -m axcore.tools.loc_report, the same table as `axcore loc`.
+if __name__ == "__main__":  # python -m axcore_devtools.loc_report, the same table as `axcore loc`.
     sys.stdout.write(format_table(loc_report()))

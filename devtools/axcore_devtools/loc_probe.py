@@ -1,6 +1,6 @@
 """The measuring instruments of `axcore loc`: code lines of functions, and traced runs of
 experiments recording which core lines execute (`probe`). Used by the plugin table
-(`axcore.tools.loc_report`) and the model-family table (`axcore.tools.family_loc`).
+(`axcore_devtools.loc_report`) and the model-family table (`axcore_devtools.family_loc`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The experiment file reference (docs/experiments.md), generated from the config classes.
 
-    python -m axcore.tools.experiment_reference > docs/experiments.md
+    python -m axcore_devtools.experiment_reference > docs/experiments.md
 
 Every key of an experiment file is a field of `ExperimentConfig` or of a config
 below it; each field's meaning is its one-line comment in the source (the AXLearn
@@ -26,7 +26,7 @@ _HEADER = """\
 
 An experiment file is YAML, merged onto the built-in default experiment: a key you
 leave out keeps the default below. Generated from the config classes' field comments
-by `python -m axcore.tools.experiment_reference > docs/experiments.md`. For the whole resolved
+by `python -m axcore_devtools.experiment_reference > docs/experiments.md`. For the whole resolved
 tree of a given experiment (every layer's fields, after plugins and mesh rules), run
 `axcore config EXP`; how experiments are written and run:
 [getting-started.md](getting-started.md).
