@@ -39,7 +39,7 @@ from axcore.layers import PipelineSchedule
 from axcore.layers.pipeline import pipeline_plans
 from axcore.markers import hookimpl
 from axcore.module import functional
-from axcore.trainer.config import make_checkpoint_backend
+from axcore.placement.backend import make_checkpoint_backend
 from axcore.trainer.trainer import Trainer
 
 import tiny

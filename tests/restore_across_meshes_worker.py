@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from axcore.experiment import load_experiment
-from axcore.trainer.config import make_checkpoint_backend
+from axcore.placement.backend import make_checkpoint_backend
 from axcore.trainer.trainer import Trainer
 
 import tiny

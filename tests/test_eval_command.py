@@ -16,7 +16,7 @@ from axcore.data.device_loader import shard_layout
 from axcore.inference.evaluation import evaluate_run, windows
 from axcore.inference.run_loading import load_model
 from axcore.observe import read_jsonl_metrics
-from axcore.trainer.inputs import input_pipeline
+from axcore.placement.inputs import input_pipeline
 from axcore.trainer.trainer import Trainer
 
 import tiny

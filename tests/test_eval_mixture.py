@@ -15,7 +15,7 @@ from axcore.data import Split
 from axcore.inference.evaluation import evaluate_run
 from axcore.inference.run_loading import load_model
 from axcore.observe import read_jsonl_metrics
-from axcore.trainer.inputs import input_pipeline
+from axcore.placement.inputs import input_pipeline
 from axcore.trainer.step import TrainStep
 
 import tiny

@@ -82,6 +82,10 @@ class CheckpointBackend(Protocol):
     def wait(self) -> None:
         """Blocks until every pending save is committed; raises a failed save's error."""
 
+    def step_of(self, name: str) -> int | None:
+        """The step a directory entry named `name` holds (`200` for orbax, `step_00000200` for tensorstore); None:
+        not a step's name. The one parse of this backend's step-directory names (listing and run loading use it)."""
+
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
 

@@ -46,7 +46,7 @@ from axcore.checkpoint import CheckpointError
 from axcore.config.serialize import from_dict, safe_load
 from axcore.errors import AxcoreError, one_line
 from axcore.platform.distributed import is_primary
-from axcore.trainer.config import make_checkpoint_backend
+from axcore.placement.backend import make_checkpoint_backend
 from axcore.trainer.run_dir import RunDirectory, RunDirectoryError
 
 # The saved config a run directory holds (written by `Experiment.save`).

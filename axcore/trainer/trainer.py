@@ -5,7 +5,7 @@ train and eval steps, the objective and gradient accumulation) is the `TrainStep
 holds (`axcore.trainer.step`, `trainer.step`); this module owns what a run adds around
 it. The step's randomness is `fold_in(prng_key, step)`, and the input pipeline's state
 after the last consumed batch (every process's data shards, gathered;
-`axcore.trainer.inputs`) is saved with each checkpoint, so a resumed run computes
+`axcore.placement.inputs`) is saved with each checkpoint, so a resumed run computes
 exactly what an uninterrupted one would have. Batches come from
 `axcore.data.device_loader.DeviceLoader`: each process builds only its own rows in a
 background thread; `train/data_wait` is the time the loop waited for them.
@@ -55,10 +55,10 @@ from axcore.observe import MultiWriter, ProgressLog
 from axcore.platform import exit_hooks
 from axcore.platform.distributed import is_primary
 from axcore.trainer.callbacks import SAMPLE, Callback, RunEnd, default_callbacks, run_stopped, sample_text
-from axcore.trainer.config import make_checkpoint_backend
-from axcore.trainer.evaluate import EvalProgress, EvalTotals, check_evaluable, describe, eval_metrics, evaluate_input
+from axcore.placement.backend import make_checkpoint_backend
+from axcore.placement.evaluate import EvalProgress, EvalTotals, check_evaluable, describe, eval_metrics, evaluate_input
 from axcore.trainer.existing_run import lock_run_directory, remove_interrupted_pruning
-from axcore.trainer.inputs import DataWaitMeter, gather_input_state, input_pipeline, restore_input_state
+from axcore.placement.inputs import DataWaitMeter, gather_input_state, input_pipeline, restore_input_state
 from axcore.trainer.interrupt import InterruptGuard, RunInterrupted, abort, interrupted, resume_command
 from axcore.trainer.memory_check import check_state_memory
 from axcore.trainer.run_dir import RunDirectory
@@ -182,7 +182,7 @@ class Trainer:
 
     def evaluate(self, params: dict, max_batches: int | None = None, *, eval_step=None, loader=None,
                  progress=None) -> EvalTotals:
-        """Held-out loss of `params` (axcore.trainer.evaluate): the eval split from its start (a mixture's
+        """Held-out loss of `params` (axcore.placement.evaluate): the eval split from its start (a mixture's
         components each alone, the total token-weighted), at most `max_batches` batches (None:
         `trainer.eval_batches`; 0: the whole split). `loader` replaces the split (one stream);
         `progress(component, budget)`: a per-batch callback or None (`EvalProgress.for_stream`)."""

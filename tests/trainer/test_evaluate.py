@@ -12,7 +12,7 @@ import pytest
 from axcore.data.sources import is_eval_document
 from axcore.experiment import load_experiment
 from axcore.inference.run_loading import load_model
-from axcore.trainer.evaluate import (
+from axcore.placement.evaluate import (
     EvalProgress,
     EvalTotals,
     NothingToEvaluateError,

@@ -10,7 +10,7 @@ from axcore import cli
 from axcore.data import DataError
 from axcore.experiment import load_experiment
 from axcore.layers import CausalLM
-from axcore.trainer.inputs import DataWaitMeter
+from axcore.placement.inputs import DataWaitMeter
 from axcore.trainer.trainer import Trainer
 
 import tiny

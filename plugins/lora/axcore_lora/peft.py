@@ -273,7 +273,7 @@ def init(base_run: str | os.PathLike, out: str | os.PathLike, settings: dict) ->
 def _save_base(experiment: Any, params: Any, base_dir: pathlib.Path) -> None:
     """Writes the frozen parameters of `params` (the adapters left out) as step 0 of `base_dir/checkpoints`."""
     from axcore.checkpoint.plugin import BACKENDS
-    from axcore.trainer.resume import params_only_metadata
+    from axcore.placement.backend import params_only_metadata
 
     from axcore_lora.checkpoint import split_params
 
