@@ -1,6 +1,7 @@
 """The run directory's layout: the names of what `axcore train` writes there, stated once.
 
     <run_dir>/config.yaml        the resolved experiment (`config_path`; `axcore train` and run loading read it)
+    <run_dir>/config.txt         the same as flat `path = value` lines, for people
     <run_dir>/checkpoints/       one directory per committed step, named by the backend (`checkpoints_path`;
                                  `CheckpointBackend.step_of` parses a name)
     <run_dir>/.lock              held while a process trains in the directory
@@ -19,6 +20,8 @@ import pathlib
 
 # The resolved experiment, written when a run starts.
 CONFIG_FILE = "config.yaml"
+# The resolved experiment as flat `path = value` lines, for people (`Experiment.save`).
+CONFIG_TEXT_FILE = "config.txt"
 # The directory of the checkpoint backend (one entry per saved step).
 CHECKPOINTS_DIR = "checkpoints"
 # The lock file of a run directory in use.
@@ -39,5 +42,5 @@ def checkpoints_path(run_dir: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(run_dir) / CHECKPOINTS_DIR
 
 
-__all__ = ["CHECKPOINTS_DIR", "CONFIG_FILE", "FAILED_FILE", "INTERRUPTED_FILE", "LOCK_FILE", "checkpoints_path",
+__all__ = ["CHECKPOINTS_DIR", "CONFIG_FILE", "CONFIG_TEXT_FILE", "FAILED_FILE", "INTERRUPTED_FILE", "LOCK_FILE", "checkpoints_path",
            "config_path"]

@@ -52,13 +52,14 @@ from axcore.data.device_loader import DeviceLoader
 from axcore.errors import AxcoreError, one_line
 from axcore.layers.pipeline import pipeline_plans
 from axcore.observe import MultiWriter, ProgressLog
+from axcore.placement.backend import make_checkpoint_backend
+from axcore.placement.evaluate import EvalProgress, EvalTotals, check_evaluable, describe, eval_metrics, evaluate_input
+from axcore.placement.inputs import DataWaitMeter, gather_input_state, input_pipeline, restore_input_state
+from axcore.placement.layout import checkpoints_path
 from axcore.platform import exit_hooks
 from axcore.platform.distributed import is_primary
 from axcore.trainer.callbacks import SAMPLE, Callback, RunEnd, default_callbacks, run_stopped, sample_text
-from axcore.placement.backend import make_checkpoint_backend
-from axcore.placement.evaluate import EvalProgress, EvalTotals, check_evaluable, describe, eval_metrics, evaluate_input
 from axcore.trainer.existing_run import lock_run_directory, remove_interrupted_pruning
-from axcore.placement.inputs import DataWaitMeter, gather_input_state, input_pipeline, restore_input_state
 from axcore.trainer.interrupt import InterruptGuard, RunInterrupted, abort, interrupted, resume_command
 from axcore.trainer.memory_check import check_state_memory
 from axcore.trainer.run_dir import RunDirectory
@@ -288,7 +289,7 @@ class Trainer:
                 run_dir.claim()
             claimed[0] = True
             self._save_config()
-            backend = make_checkpoint_backend(tcfg.checkpoint, self.experiment.registries, self.run_dir / "checkpoints")
+            backend = make_checkpoint_backend(tcfg.checkpoint, self.experiment.registries, checkpoints_path(self.run_dir))
             if is_primary():  # Before restoring: what a kill during pruning left is never restored or listed.
                 remove_interrupted_pruning(backend, lambda line: print(line, file=self.stream))
             # Orbax's own reports of a failed save go to this file; the console gets the error's one line.
@@ -311,7 +312,7 @@ class Trainer:
 
     def _has_checkpoint(self) -> bool:
         """Whether checkpoints/ holds anything (even an unfinished save), which keeps the run directory."""
-        checkpoints = self.run_dir / "checkpoints"
+        checkpoints = checkpoints_path(self.run_dir)
         return checkpoints.is_dir() and any(checkpoints.iterdir())
 
     def _interrupted(self, run_dir: RunDirectory, error: KeyboardInterrupt) -> RunInterrupted:

@@ -15,8 +15,8 @@ from axcore.data import (
     TextFiles,
 )
 from axcore.data.device_loader import ShardLayout
-from axcore.plugin.loading import builtin_registries
 from axcore.placement.inputs import merge_input_states, restore_input_state
+from axcore.plugin.loading import builtin_registries
 
 
 def _config(tmp_path):
