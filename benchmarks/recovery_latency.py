@@ -60,6 +60,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from axcore.placement.layout import checkpoints_path
 from benchmarks.common import summarize, write_result
 
 NAME = "recovery_latency"
@@ -218,7 +219,7 @@ class Child:
 
 
 def _committed_steps(backend: str, run_dir: pathlib.Path) -> list[int]:
-    directory = run_dir / "checkpoints"
+    directory = checkpoints_path(run_dir)
     try:
         names = os.listdir(directory)
     except FileNotFoundError:

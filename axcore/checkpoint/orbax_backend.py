@@ -140,6 +140,11 @@ class OrbaxBackend:
 
     # -- listing --------------------------------------------------------------------------
 
+    @staticmethod
+    def step_of(name: str) -> int | None:
+        """The step of a step directory's name (orbax names it by the step's digits), None for any other name."""
+        return int(name) if name.isdigit() else None
+
     def all_steps(self) -> list[int]:
         # orbax lists a step as soon as its save starts; only count finalized ones.
         return sorted(s for s in self._manager.all_steps() if self._is_committed(s))
@@ -154,7 +159,8 @@ class OrbaxBackend:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return []
-        return sorted(int(n) for n in names if n.isdigit() and not self._is_committed(int(n)))
+        steps = [self.step_of(n) for n in names]
+        return sorted(s for s in steps if s is not None and not self._is_committed(s))
 
     def discard_incomplete(self, step: int) -> None:
         """Deletes `step`'s directory, which has no commit marker (e.g. left by pruning a kill interrupted).

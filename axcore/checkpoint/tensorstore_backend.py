@@ -208,17 +208,19 @@ class TensorStoreBackend:
 
     # -- listing --------------------------------------------------------------------------
 
+    @staticmethod
+    def step_of(name: str) -> int | None:
+        """The step of a step directory's name (`step_00000200`, see `step_dir_name`), None for any other name."""
+        match = _STEP_DIR.fullmatch(name)
+        return int(match.group(1)) if match else None
+
     def all_steps(self) -> list[int]:
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return []
-        steps = []
-        for name in names:
-            match = _STEP_DIR.fullmatch(name)
-            if match and os.path.exists(os.path.join(self.directory, name, COMMIT_MARKER)):
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        committed = [n for n in names if os.path.exists(os.path.join(self.directory, n, COMMIT_MARKER))]
+        return sorted(s for s in map(self.step_of, committed) if s is not None)
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -230,8 +232,8 @@ class TensorStoreBackend:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return []
-        matches = [_STEP_DIR.fullmatch(n) for n in names if not os.path.exists(os.path.join(self.directory, n, COMMIT_MARKER))]
-        return sorted(int(m.group(1)) for m in matches if m)
+        open_ = [n for n in names if not os.path.exists(os.path.join(self.directory, n, COMMIT_MARKER))]
+        return sorted(s for s in map(self.step_of, open_) if s is not None)
 
     def discard_incomplete(self, step: int) -> None:
         """Deletes `step`'s directory, which has no commit marker (e.g. left by pruning a kill interrupted).

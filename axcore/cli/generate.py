@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from axcore.generation import Generator, Sampling
-    from axcore.inference.run_loading import load_model_and_step
+    from axcore.inference.run_loading import load_model_and_placement
 
     conversations = _conversations(args)
     prompts = [] if conversations else _prompts(args)
@@ -170,8 +170,9 @@ def run(args: argparse.Namespace) -> int:
 
         experiment, _ = load_run_experiment(args.run, args.overrides, objects=args.objects)
         template = chat_template(args, experiment, experiment.config.tokenizer.instantiate())
-    loaded, step = load_model_and_step(args.run, step=args.step, overrides=args.overrides, objects=args.objects)
-    tokenizer = step.tokenizer
+    loaded, placement = load_model_and_placement(args.run, step=args.step, overrides=args.overrides,
+                                                 objects=args.objects)
+    tokenizer = placement.tokenizer
     vocab = loaded.experiment.config.model.vocab_size
     bad = [t for t in args.stop_token if not 0 <= t < vocab]
     if bad:
@@ -204,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
             f"embedding's max_len); shorten the prompt or generate fewer tokens."
         )
     started = time.perf_counter()
-    with step.op_environment():
+    with placement.op_environment():
         outputs = generator(loaded.params, encoded, jax.random.key(args.seed))
     elapsed = time.perf_counter() - started
     _print_outputs(args, conversations, prompts, outputs, tokenizer, stops, marker)

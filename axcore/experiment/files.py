@@ -21,6 +21,7 @@ from axcore.config.serialize import safe_load
 from axcore.errors import ConfigError, PluginError, UnknownComponentError, did_you_mean
 from axcore.experiment.builtins import create_plugin_manager
 from axcore.experiments import experiment_text
+from axcore.placement.layout import CONFIG_FILE
 from axcore.plugin.loading import BUILTIN_DISTRIBUTION, autoload_disabled, installed_entry_points
 from axcore.plugin.requests import PluginRequest
 from axcore.registry import Registration, Registry
@@ -178,7 +179,7 @@ def merge_onto_base_run(raw: dict, base: str, label: str, *, drop: Sequence[str]
             naming `label` and `init_from`.
     """
     directory = os.path.expanduser(os.fspath(base))
-    for file_name in ("experiment.yaml", "config.yaml"):
+    for file_name in ("experiment.yaml", CONFIG_FILE):
         path = os.path.join(directory, file_name)
         if os.path.isfile(path):
             break

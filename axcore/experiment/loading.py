@@ -65,6 +65,7 @@ from axcore.kernels import (
     record_kernel_decisions,
 )
 from axcore.module import deep_merge, functional
+from axcore.placement.layout import CONFIG_TEXT_FILE, config_path
 from axcore.platform.distributed import DistributedSettings, initialize_distributed
 from axcore.platform.mesh import instance_platform
 from axcore.platform.xla_flags import (
@@ -186,8 +187,8 @@ class Experiment:
         run_dir = pathlib.Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         text = yaml.safe_dump(self.resolved_dict(), sort_keys=False)
-        (run_dir / "config.yaml").write_text(text, "utf-8")
-        (run_dir / "config.txt").write_text(self.flat(), "utf-8")
+        config_path(run_dir).write_text(text, "utf-8")
+        (run_dir / CONFIG_TEXT_FILE).write_text(self.flat(), "utf-8")
 
 
 def load_experiment(

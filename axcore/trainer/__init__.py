@@ -1,5 +1,6 @@
-"""Training: the learner (registered optimizers and schedules on optax), objectives, the train step and loop,
-evaluation, and the loop's hooks (`RunView`, `LoopHook`; the end-of-run callbacks: sampling, the loss plot)."""
+"""Training: the learner (registered optimizers and schedules on optax), objectives, the train step (which owns
+an `axcore.placement.Placement` and adds the optimizer, the objective and the compiled steps) and loop, and the
+loop's hooks (`RunView`, `LoopHook`; the end-of-run callbacks: sampling, the loss plot)."""
 
 from axcore.learning.objectives import NextToken, Objective, ObjectiveOutput
 from axcore.learning.optimizers import SGD, Adafactor, AdamW, Lion, Optimizer, scale_by_adam

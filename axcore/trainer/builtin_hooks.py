@@ -18,9 +18,9 @@ import jax
 
 from axcore.data import Split
 from axcore.errors import AxcoreError, one_line
-from axcore.trainer.evaluate import EvalProgress, EvalTotals, describe, eval_metrics, evaluate_input
+from axcore.placement.evaluate import EvalProgress, EvalTotals, describe, eval_metrics, evaluate_input
+from axcore.placement.inputs import gather_input_state
 from axcore.trainer.hooks import LoopHook, RunView
-from axcore.trainer.inputs import gather_input_state
 from axcore.trainer.interrupt import RunInterrupted
 
 

@@ -40,7 +40,7 @@ from axcore.errors import one_line
 
 if TYPE_CHECKING:
     from axcore.observe import MultiWriter, ProgressLog
-    from axcore.trainer.evaluate import EvalTotals
+    from axcore.placement.evaluate import EvalTotals
     from axcore.trainer.step import TrainStep
     from axcore.trainer.watchdog import Watchdog
 

@@ -5,7 +5,7 @@ train and eval steps, the objective and gradient accumulation) is the `TrainStep
 holds (`axcore.trainer.step`, `trainer.step`); this module owns what a run adds around
 it. The step's randomness is `fold_in(prng_key, step)`, and the input pipeline's state
 after the last consumed batch (every process's data shards, gathered;
-`axcore.trainer.inputs`) is saved with each checkpoint, so a resumed run computes
+`axcore.placement.inputs`) is saved with each checkpoint, so a resumed run computes
 exactly what an uninterrupted one would have. Batches come from
 `axcore.data.device_loader.DeviceLoader`: each process builds only its own rows in a
 background thread; `train/data_wait` is the time the loop waited for them.
@@ -55,15 +55,16 @@ from axcore.data import Split
 from axcore.errors import one_line
 from axcore.layers.pipeline import pipeline_plans
 from axcore.observe import MultiWriter, ProgressLog
+from axcore.placement.backend import make_checkpoint_backend
+from axcore.placement.evaluate import check_evaluable
+from axcore.placement.inputs import DataWaitMeter, input_pipeline, restore_input_state
+from axcore.placement.layout import checkpoints_path
 from axcore.platform import exit_hooks
 from axcore.platform.distributed import is_primary
 from axcore.trainer.builtin_hooks import NonFiniteLossError
 from axcore.trainer.callbacks import Callback
-from axcore.trainer.config import make_checkpoint_backend
-from axcore.trainer.evaluate import check_evaluable
 from axcore.trainer.existing_run import lock_run_directory, remove_interrupted_pruning
 from axcore.trainer.hooks import SAMPLE, Hooks, RunView, loop_hooks, run_stopped
-from axcore.trainer.inputs import DataWaitMeter, input_pipeline, restore_input_state
 from axcore.trainer.interrupt import InterruptGuard, RunInterrupted, abort, interrupted, resume_command
 from axcore.trainer.memory_check import check_state_memory
 from axcore.trainer.run_dir import RunDirectory
@@ -232,7 +233,7 @@ class Trainer:
                 run_dir.claim()
             claimed[0] = True
             self._save_config()
-            backend = make_checkpoint_backend(tcfg.checkpoint, self.experiment.registries, self.run_dir / "checkpoints")
+            backend = make_checkpoint_backend(tcfg.checkpoint, self.experiment.registries, checkpoints_path(self.run_dir))
             if is_primary():  # Before restoring: what a kill during pruning left is never restored or listed.
                 remove_interrupted_pruning(backend, lambda line: print(line, file=self.stream))
             # Orbax's own reports of a failed save go to this file; the console gets the error's one line.
@@ -255,7 +256,7 @@ class Trainer:
 
     def _has_checkpoint(self) -> bool:
         """Whether checkpoints/ holds anything (even an unfinished save), which keeps the run directory."""
-        checkpoints = self.run_dir / "checkpoints"
+        checkpoints = checkpoints_path(self.run_dir)
         return checkpoints.is_dir() and any(checkpoints.iterdir())
 
     def _interrupted(self, run_dir: RunDirectory, error: KeyboardInterrupt) -> RunInterrupted:

@@ -8,6 +8,7 @@ the same parameters, and `axcore config` imports no plugin that is not enabled).
 """
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -149,3 +150,10 @@ def test_generate_load_smoke_imports_parameters_only(tmp_path):
     assert 4 * data["parameters"] <= after["checkpoint_bytes"] < 1.2 * 4 * data["parameters"]
     assert 0 < after["restore_s"]["median"] < after["load_s"]["median"] < after["wall_s"]["median"]
     assert after["completion"].startswith("w1 w2 w3 w4 w5 w6 w7 w8") and after["max_rss_bytes"]["median"] > 50 * 2**20  # JAX alone
+    # generate and eval load through the placement alone: the train state's shapes (optimizer state included) are
+    # never built, and the parameters loaded are one float32 copy of the transformers model's parameters.
+    for prefix in ("", "eval_"):
+        assert after[f"{prefix}train_states"]["median"] == 0
+        assert after[f"{prefix}param_bytes"]["median"] == 4 * data["parameters"]
+        assert after[f"{prefix}live_bytes_after_load"]["median"] >= after[f"{prefix}param_bytes"]["median"]
+    assert math.isfinite(after["eval_loss"]) and after["eval_loss"] > 0

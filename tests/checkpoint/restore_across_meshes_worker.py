@@ -25,8 +25,8 @@ import jax
 import numpy as np
 
 from axcore.experiment import load_experiment
+from axcore.placement.backend import make_checkpoint_backend
 from axcore.testing import TINY_OVERRIDES
-from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.trainer import Trainer
 
 MESHES = {"2x2x2": {"data": 2, "fsdp": 2, "tensor": 2}, "1": {"data": 1}, "fsdp4_tensor2": {"fsdp": 4, "tensor": 2}}

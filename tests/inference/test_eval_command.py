@@ -16,9 +16,9 @@ from axcore.data.device_loader import shard_layout
 from axcore.inference.evaluation import evaluate_run, windows
 from axcore.inference.run_loading import load_model
 from axcore.observe import read_jsonl_metrics
+from axcore.placement.evaluate import evaluate_input
+from axcore.placement.inputs import input_pipeline
 from axcore.testing import TINY_OVERRIDES
-from axcore.trainer.evaluate import evaluate_input
-from axcore.trainer.inputs import input_pipeline
 from axcore.trainer.trainer import Trainer
 
 TRAIN = [*TINY_OVERRIDES, "trainer.max_steps=3", "trainer.eval_every=3", "trainer.eval_batches=2",

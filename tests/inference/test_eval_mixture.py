@@ -15,8 +15,8 @@ from axcore.data import Split
 from axcore.inference.evaluation import evaluate_run
 from axcore.inference.run_loading import load_model
 from axcore.observe import read_jsonl_metrics
+from axcore.placement.inputs import input_pipeline
 from axcore.testing import TINY_OVERRIDES
-from axcore.trainer.inputs import input_pipeline
 from axcore.trainer.step import TrainStep
 
 NOTES = "{type: text_files, paths: [%s], eval_fraction: 0.5}"

@@ -36,8 +36,8 @@ from axcore.layers import PipelineSchedule
 from axcore.layers.pipeline import pipeline_plans
 from axcore.markers import hookimpl
 from axcore.module import functional
+from axcore.placement.backend import make_checkpoint_backend
 from axcore.testing import TINY_OVERRIDES
-from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.trainer import Trainer
 
 STEPS = 20

@@ -12,8 +12,7 @@ import pytest
 from axcore.data.sources import is_eval_document
 from axcore.experiment import load_experiment
 from axcore.inference.run_loading import load_model
-from axcore.testing import TINY_OVERRIDES
-from axcore.trainer.evaluate import (
+from axcore.placement.evaluate import (
     EvalProgress,
     EvalTotals,
     NothingToEvaluateError,
@@ -22,6 +21,7 @@ from axcore.trainer.evaluate import (
     component_budgets,
     first_eval_document,
 )
+from axcore.testing import TINY_OVERRIDES
 
 
 @pytest.mark.parametrize("weights, budget, expected", [

@@ -16,7 +16,7 @@ from axcore.data import (
 )
 from axcore.data.device_loader import ShardLayout
 from axcore.experiment.builtins import builtin_registries
-from axcore.trainer.inputs import merge_input_states, restore_input_state
+from axcore.placement.inputs import merge_input_states, restore_input_state
 
 
 def _config(tmp_path):

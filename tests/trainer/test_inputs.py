@@ -10,8 +10,8 @@ from axcore import cli
 from axcore.data import DataError
 from axcore.experiment import load_experiment
 from axcore.layers import CausalLM
+from axcore.placement.inputs import DataWaitMeter
 from axcore.testing import TINY_OVERRIDES
-from axcore.trainer.inputs import DataWaitMeter
 from axcore.trainer.trainer import Trainer
 
 

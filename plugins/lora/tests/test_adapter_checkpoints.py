@@ -16,8 +16,8 @@ from axcore.cli import main
 from axcore.data import Split
 from axcore.experiment import load_experiment
 from axcore.inference.run_loading import save_model
+from axcore.placement.backend import make_checkpoint_backend
 from axcore.testing import TINY_OVERRIDES
-from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.resume import restore_train_state
 from axcore.trainer.step import TrainStep
 

@@ -47,7 +47,7 @@ import numpy as np
 from axcore.data import RandomAccessSource, Split, StreamedSource
 from axcore.errors import ConfigError
 from axcore.observe import format_duration
-from axcore.trainer.inputs import input_pipeline
+from axcore.placement.inputs import input_pipeline
 
 # A streamed source is read (without tokenizing) this many documents far at most to find its first held-out one.
 EVAL_CHECK_MAX_DOCUMENTS = 100_000
@@ -162,14 +162,55 @@ def combine(components: Mapping[str, EvalTotals]) -> EvalTotals:
     )
 
 
+class Evaluator:
+    """Held-out evaluation of a placed model under an objective: the eval step and the loop over a loader.
+
+    `Evaluator(placement, objective)` is what `axcore eval` builds (no learner, no optimizer
+    state) and what the train step holds; `evaluate_input` takes either.
+    """
+
+    def __init__(self, placement: Any, objective: Any):
+        """`placement`: an `axcore.placement.Placement`; `objective`: its `eval_sums(model, params, batch)`."""
+        self.placement = placement
+        self.objective = objective
+        self.cfg = placement.cfg
+        self.tokenizer = placement.tokenizer
+        self.shard_layout = placement.shard_layout
+        self.loader = placement.loader
+
+    def eval_step(self, params: dict, batch: dict) -> dict:
+        """`{"xent_sum", "tokens"}` of one held-out batch (the objective's `eval_sums`; not jitted)."""
+        with self.placement.op_environment():
+            return self.objective.eval_sums(self.placement.model, params, batch)
+
+    def compiled_eval_step(self):
+        """`(params, batch, totals) -> totals`, jitted: adds a batch's weighted cross-entropy and weights on device."""
+        return jax.jit(
+            accumulate_step(self.eval_step),
+            in_shardings=(self.placement.param_shardings, self.placement.batch_sharding, None),
+            donate_argnums=2,
+        )
+
+    def evaluate(self, params: dict, loader: Any, max_batches: int | None, *, eval_step: Any = None,
+                 progress: Any = None) -> EvalTotals:
+        """Held-out loss of `params` over `loader`'s batches, at most `max_batches` (None or 0: all); closes
+        `loader`. `eval_step`: a `compiled_eval_step()` to reuse; `progress`: called `(batches, tokens)` after
+        each batch."""
+        eval_step = eval_step or self.compiled_eval_step()
+        try:
+            return run_evaluation(eval_step, params, loader, max_batches, progress)
+        finally:
+            loader.close()
+
+
 def evaluate_input(
     train_step: Any, params: Any, split: Split, max_batches: int | None, *, eval_step: Any = None,
     progress: Callable[[str | None, int], Callable[[int, int], None] | None] | None = None,
 ) -> EvalTotals:
     """`params` on `split` of the experiment's input: one stream, or each mixture component alone.
 
-    `train_step` is the `TrainStep` (its config, tokenizer, shard layout, `loader` and
-    `evaluate`). `max_batches` bounds the whole evaluation (split across a mixture's
+    `train_step` is an `Evaluator` or the `TrainStep` (its config, tokenizer, shard layout,
+    `loader` and `evaluate`). `max_batches` bounds the whole evaluation (split across a mixture's
     components by `component_budgets`); None or 0 reads every split in full.
     `progress(component, budget)` returns the per-batch callback of one stream (the
     component's name, None without a mixture) or None.
@@ -312,5 +353,5 @@ class EvalProgress:
         return tick
 
 
-__all__ = ["EvalProgress", "EvalTotals", "NothingToEvaluateError", "check_evaluable", "accumulate_step", "combine", "component_budgets", "describe",
+__all__ = ["EvalProgress", "EvalTotals", "Evaluator", "NothingToEvaluateError", "check_evaluable", "accumulate_step", "combine", "component_budgets", "describe",
            "eval_metrics", "evaluate_input", "run_evaluation"]

@@ -1,4 +1,7 @@
-"""The trainer's side of the input pipeline: pipelines per data shard, checkpointed state, data_wait.
+"""The input pipeline of a placed experiment: pipelines per data shard, checkpointed state, data_wait.
+
+Below the trainer (which checkpoints the state and meters the wait) and inference (whose
+`axcore eval` reads the experiment's eval split through `input_pipeline`).
 
 - `input_pipeline(...)`: the experiment's `InputConfig` pipeline for this process's data
   shards (`axcore.data.device_loader.shard_layout`).
