@@ -17,9 +17,8 @@ Saved runs load as they ran: `Experiment.save(run_dir)` writes the resolved conf
 under a `resolved_by` marker, and loading it skips the transforms and the mesh rule's
 modifiers (`axcore.experiment.saved`).
 
-The experiment layer's other modules, re-exported here: `axcore.experiment.schema`
-(`ExperimentConfig` and its parts), `axcore.experiment.files` (finding and reading experiment
-files), `axcore.experiment.mesh` (mesh layout), `axcore.experiment.saved` (the saved-config marker).
+Re-exported here: `axcore.experiment.schema` (`ExperimentConfig` and its parts), `axcore.experiment.files`
+(finding and reading experiment files), `axcore.experiment.mesh` (mesh layout), `axcore.experiment.saved`.
 """
 
 from __future__ import annotations
