@@ -240,7 +240,10 @@ def test_a_lost_peer_cleans_up_the_run_directory(tmp_path, after_step):
     proc = subprocess.run([sys.executable, str(script), *overrides], capture_output=True, text=True,
                           timeout=PROCESS_TIMEOUT, env=env)
     assert proc.returncode == 75, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == "axcore: error: lost process 1 of this 2-process job (test)"
+    # The watch's thread ends the process; the main thread may still print a progress line after its line.
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("axcore: error:")]
+    assert errors == ["axcore: error: lost process 1 of this 2-process job (test)"], proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
     assert (run_dir / FAILED_FILE).read_text() == "lost process 1 of this 2-process job (test)\n"
     latest = OrbaxBackend(run_dir / "checkpoints").latest_step() if (run_dir / "checkpoints").is_dir() else None
     assert latest is None if after_step is None else latest >= after_step
