@@ -6,8 +6,6 @@ The public API is re-exported here lazily (PEP 562), so that `import axcore` (an
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from axcore._lazy import lazy_exports
 
 __version__ = "0.1.0"
@@ -41,7 +39,8 @@ _EXPORTS = {
     "axcore.markers": ["hookimpl", "hookspec"],
     "axcore.module": ["InvocationContext", "Module", "OutputCollection", "functional"],
     "axcore.params": ["ParameterSpec"],
-    "axcore.plugin.loading": ["AxcorePluginManager", "PluginRequest", "create_plugin_manager"],
+    "axcore.plugin.loading": ["AxcorePluginManager", "PluginRequest"],
+    "axcore.experiment.builtins": ["create_plugin_manager"],
     "axcore.registry": ["Registries", "Registry"],
     "axcore.experiment.loading": ["Experiment", "ExperimentConfig", "load_experiment"],
 }
@@ -50,37 +49,3 @@ __all__ = sorted(_WHERE)
 
 
 __getattr__, __dir__ = lazy_exports(globals(), _WHERE)
-
-
-if TYPE_CHECKING:
-    from axcore.config import (
-        REQUIRED,
-        ConfigBase,
-        Configurable,
-        InstantiableConfig,
-        config_for_class,
-        config_for_function,
-    )
-    from axcore.errors import (
-        AxcoreError,
-        ConfigError,
-        ConfigTypeError,
-        DuplicateComponentError,
-        KernelNotSupportedError,
-        MissingRequiredError,
-        NoMatchError,
-        PluginConflictError,
-        PluginError,
-        PluginLoadError,
-        PluginVersionError,
-        UnknownComponentError,
-        UnknownFieldError,
-        UnknownPluginError,
-    )
-    from axcore.experiment.loading import Experiment, ExperimentConfig, load_experiment
-    from axcore.markers import hookimpl, hookspec
-    from axcore.module import InvocationContext, Module, OutputCollection, functional
-    from axcore.params import ParameterSpec
-    from axcore.plugin.hookspecs import PLUGIN_API_VERSION
-    from axcore.plugin.loading import AxcorePluginManager, PluginRequest, create_plugin_manager
-    from axcore.registry import Registries, Registry

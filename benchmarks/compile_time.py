@@ -5,10 +5,10 @@ compilation cache disabled), so no in-memory or on-disk cache helps. The worker
 process builds the experiment (`load_experiment("default" | "scan")` with
 `model.num_layers=N`) and a `Trainer`, then measures, with `time.perf_counter`:
 
-- init state: `jax.jit(trainer._init_state, out_shardings=...)` (what
-  `Trainer.init_state` runs) split into lower (trace + MLIR), XLA compile, and
+- init state: `jax.jit(trainer.step._init_state, out_shardings=...)` (what
+  `TrainStep.init_state` runs) split into lower (trace + MLIR), XLA compile, and
   execution;
-- train step: `Trainer.compiled_train_step()` on the real state and a real batch,
+- train step: `TrainStep.compiled_train_step()` on the real state and a real batch,
   split into lower, XLA compile and the first execution (blocked on);
 
 plus the number and total duration of XLA backend compilations in each phase, from
@@ -91,20 +91,20 @@ def _worker(variant: str, layers: int, smoke: bool) -> dict[str, Any]:
     overrides = [f"model.num_layers={layers}", *(SMOKE_OVERRIDES if smoke else ())]
     (trainer, setup_s, setup_c, _) = phase(lambda: Trainer(load_experiment(VARIANTS[variant], overrides)))
 
-    # Init state, as Trainer.init_state runs it, split into its parts.
+    # Init state, as TrainStep.init_state runs it, split into its parts.
     key_data = jax.random.key_data(jax.random.key(trainer.cfg.trainer.seed))
-    init_jit = jax.jit(trainer._init_state, out_shardings=trainer.state_shardings)
+    init_jit = jax.jit(trainer.step._init_state, out_shardings=trainer.step.state_shardings)
     init_lowered, init_lower_s, init_lower_c, init_lower_t = phase(lambda: init_jit.lower(key_data))
     init_compiled, init_compile_s, init_compile_c, _ = phase(init_lowered.compile)
     state, init_exec_s, _, _ = phase(lambda: jax.block_until_ready(init_compiled(key_data)))
 
     # Train step on the real state and a real batch.
-    batch = jax.device_put(next(trainer.cfg.input.make_iterator(Split.TRAIN)), trainer.batch_sharding)
-    step_jit = trainer.compiled_train_step()
+    batch = jax.device_put(next(trainer.cfg.input.make_iterator(Split.TRAIN)), trainer.step.batch_sharding)
+    step_jit = trainer.step.compiled_train_step()
     lowered, lower_s, lower_c, lower_t = phase(lambda: step_jit.lower(state, batch))
     compiled, compile_s, compile_c, _ = phase(lowered.compile)
     (_, metrics), exec_s, _, _ = phase(lambda: jax.block_until_ready(compiled(state, batch)))
-    n_params = sum(x.size for x in jax.tree.leaves(trainer.model.abstract_parameters()))
+    n_params = sum(x.size for x in jax.tree.leaves(trainer.step.model.abstract_parameters()))
     return {
         "variant": variant,
         "layers": layers,

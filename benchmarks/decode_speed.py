@@ -92,11 +92,11 @@ def measure(model_name: str, batch: int, args: argparse.Namespace) -> dict[str, 
     overrides = SMOKE if args.smoke else (one_b_overrides() if model_name == "1b" else [])
     experiment = load_experiment(None, [*overrides, f"input.batch_size={batch}"])
     trainer = Trainer(experiment, stream=sys.stderr)
-    model = trainer.model
+    model = trainer.step.model
     window = experiment.config.input.seq_len
     if args.prompt_len + args.new_tokens > window:
         raise SystemExit(f"--prompt-len + --new-tokens must fit the window {window}.")
-    with trainer.op_environment():
+    with trainer.step.op_environment():
         params = jax.jit(model.initialize)(jax.random.key(0))
         prompts = np.random.default_rng(0).integers(0, experiment.config.model.vocab_size, (batch, args.prompt_len))
         prompts = prompts.astype(np.int32)

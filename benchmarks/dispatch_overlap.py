@@ -75,14 +75,14 @@ def measure(overrides: list[str], log_every: int, max_steps: int) -> dict[str, A
         ]
         trainer = Trainer(load_experiment("default", [*overrides, *settings]))
         trainer.stream = trainer.out = io.StringIO()
-        compiled = trainer.compiled_train_step
+        compiled = trainer.step.compiled_train_step
         recorded: list[_RecordedStep] = []
 
         def recording_step():
             recorded.append(_RecordedStep(compiled()))
             return recorded[-1]
 
-        trainer.compiled_train_step = recording_step
+        trainer.step.compiled_train_step = recording_step
         trainer.run()
         records = [json.loads(line) for line in (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     calls = recorded[0].calls

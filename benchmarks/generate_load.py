@@ -1,4 +1,4 @@
-"""Loading for inference: `axcore generate` on a Hugging Face import, code against code.
+"""Loading for inference: `axcore generate` and `axcore eval` on a Hugging Face import, code against code.
 
     python -m benchmarks.generate_load --before /tmp/params_base [--rounds 3]
     python -m benchmarks.generate_load --smoke      # tiny model, this checkout only; numbers mean nothing
@@ -10,7 +10,8 @@ tokenizer.json over its whole vocabulary (nothing is downloaded). Each contender
 of the axcore code: `after` is this checkout, `before` another tree (e.g. a
 `git worktree` of HEAD) given with `--before`. Each contender's own converter imports
 the model (`axcore convert hf-to-axcore`), and its own `axcore generate` then runs on its
-own import, every command in a fresh process with `PYTHONPATH=ROOT:ROOT/plugins/*:ROOT/examples/*`
+own import, and so does its `axcore eval` (a 2,048-word text file, `--seq-len 128
+--batch-size 4 --max-batches 4`), every command in a fresh process with `PYTHONPATH=ROOT:ROOT/plugins/*:ROOT/examples/*`
 (the process reports the file of every `axcore*` package it imported, checked to lie
 under ROOT) under `/usr/bin/time -v`. Measured per contender:
 
@@ -18,9 +19,18 @@ under ROOT) under `/usr/bin/time -v`. Measured per contender:
 - `import_s`: wall seconds of the convert command;
 - `generate_s`: wall seconds of the whole `axcore generate` command (interpreter start
   to exit; greedy, 24 new tokens after an 8-token prompt);
-- `load_s`: seconds inside `run_loading.load_model_and_step` (experiment, TrainStep,
-  restore); `restore_s`: seconds inside `restore_verified` (all attempts);
-- `max_rss_bytes`: the command's peak resident memory (`Maximum resident set size`).
+- `load_s`: seconds inside run loading (`run_loading.load_model_and_placement`: experiment,
+  placement, restore; on code before the placement object `load_model_and_step`, which
+  built a whole TrainStep); `restore_s`: seconds inside `restore_verified` (all attempts);
+- `max_rss_bytes`: the command's peak resident memory (`Maximum resident set size`);
+- `train_states`: how many times the command built the train state's shapes (a
+  `jax.eval_shape` of `TrainStep._init_state`, the optimizer's `init` included); 0 means
+  no learner and no optimizer state, not even abstract, was built;
+- `live_bytes_after_load`, `live_arrays_after_load`: `jax.live_arrays()` when run loading
+  returns (the parameters and nothing else when no optimizer state is allocated);
+  `param_bytes`: the bytes of the loaded parameters.
+
+`eval_*` keys hold the same for `axcore eval`.
 
 Rounds alternate the contenders (before, after, before, ...); medians are reported.
 """
@@ -54,23 +64,50 @@ SMOLLM_135M = dict(
 SMOKE_SHAPE = dict(SMOLLM_135M, vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, intermediate_size=96)
 PROMPT, NEW_TOKENS = "w1 w2 w3 w4 w5 w6 w7 w8", 24
+# `axcore eval` on a text file of EVAL_WORDS words: 4 batches of 4 rows of 128 tokens.
+EVAL_WORDS, EVAL_ARGS = 2048, ["--seq-len", "128", "--batch-size", "4", "--max-batches", "4", "--json"]
+_MEASURED = ("wall_s", "load_s", "restore_s", "max_rss_bytes", "train_states", "live_bytes_after_load",
+             "live_arrays_after_load", "param_bytes")
 
-# Runs one axcore command, timing load_model_and_step and restore_verified inside it; the last stderr line
-# is JSON. Patched on the module, so generate_command's `from axcore.inference.run_loading import ...` (at call time) sees it.
+# Runs one axcore command, timing run loading and restore_verified inside it and counting the train states
+# built (jax.eval_shape of `_init_state`); the last stderr line is JSON. Patched on the modules before the
+# commands import them (generate imports run loading at call time, eval's module when the command runs).
 _WRAPPER = r"""
-import json, sys, time
+import gc, importlib, json, sys, time
+import jax
 import axcore, axcore.inference.run_loading as rl
-spent = {"load_s": 0.0, "restore_s": 0.0}
-def timing(name, fn):
+spent = {"load_s": 0.0, "restore_s": 0.0, "train_states": 0}
+def timing(name, fn, after=None):
     def timed(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         finally:
             spent[name] += time.perf_counter() - start
+        if after is not None:
+            after(out)
+        return out
     return timed
-rl.restore_verified = timing("restore_s", rl.restore_verified)
-rl.load_model_and_step = timing("load_s", rl.load_model_and_step)
+def live(out):
+    gc.collect()
+    arrays = jax.live_arrays()
+    spent["live_arrays_after_load"] = len(arrays)
+    spent["live_bytes_after_load"] = sum(a.nbytes for a in arrays)
+    spent["param_bytes"] = sum(a.nbytes for a in jax.tree.leaves(out[0].params))
+eval_shape = jax.eval_shape
+def counted(fn, *args, **kwargs):
+    spent["train_states"] += getattr(fn, "__name__", "") == "_init_state"
+    return eval_shape(fn, *args, **kwargs)
+jax.eval_shape = counted
+for name in ("axcore.inference.run_loading", "axcore.placement.placement"):  # The second only after the change.
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        continue
+    if hasattr(module, "restore_verified"):
+        module.restore_verified = timing("restore_s", module.restore_verified)
+loader = "load_model_and_placement" if hasattr(rl, "load_model_and_placement") else "load_model_and_step"
+setattr(rl, loader, timing("load_s", getattr(rl, loader), live))
 from axcore.cli import main
 code = main(sys.argv[1:])
 import axcore_hf
@@ -148,20 +185,27 @@ def run(smoke: bool = False, *, results_dir: pathlib.Path | None = None, before:
             "import_s": imported["wall_s"], "import_max_rss_bytes": imported["max_rss_bytes"],
             "checkpoint_bytes": _size(out / "checkpoints"), "runs": [],
         }
+    text = work / "eval.txt"
+    text.write_text(" ".join(f"w{(i * 7919) % 500}" for i in range(EVAL_WORDS)) + "\n", "utf-8")
     generate = ["generate", None, "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0"]
     for _ in range(rounds):
         for name, root in roots.items():
             generate[1] = str(work / f"import-{name}")
             one = _run(root, generate, work)
-            contenders[name]["runs"].append({k: one[k] for k in ("wall_s", "load_s", "restore_s", "max_rss_bytes")})
+            contenders[name]["runs"].append({k: one[k] for k in _MEASURED})
             contenders[name]["completion"] = one["stdout"].strip()
+            one = _run(root, ["eval", str(work / f"import-{name}"), "--data", str(text), *EVAL_ARGS], work)
+            contenders[name].setdefault("eval_runs", []).append({k: one[k] for k in _MEASURED})
+            contenders[name]["eval_loss"] = json.loads(one["stdout"].strip().splitlines()[-1])["loss"]
     for entry in contenders.values():
-        for key in ("wall_s", "load_s", "restore_s", "max_rss_bytes"):
+        for key in _MEASURED:
             entry[key] = summarize([r[key] for r in entry["runs"]])
+            entry[f"eval_{key}"] = summarize([r[key] for r in entry["eval_runs"]])
     result = {"smoke": smoke, "model": "smoke" if smoke else "SmolLM-135M shape, random weights",
               "parameters": count, "rounds": rounds, "new_tokens": NEW_TOKENS, "contenders": contenders}
     if "before" in contenders:  # Same weights, greedy: both must print the same text.
         result["same_completion"] = contenders["before"]["completion"] == contenders["after"]["completion"]
+        result["same_eval_loss"] = contenders["before"]["eval_loss"] == contenders["after"]["eval_loss"]
     write_result("generate_load", result, results_dir=results_dir)
     if work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
@@ -169,14 +213,19 @@ def run(smoke: bool = False, *, results_dir: pathlib.Path | None = None, before:
 
 
 def _table(result: dict[str, Any]) -> str:
-    rows = ["| contender | checkpoint | import | generate (whole command) | load | restore | peak RSS |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| contender | command | whole command | load | restore | peak RSS | train states | live after load |",
+            "|---|---|---|---|---|---|---|---|"]
     for name, c in result["contenders"].items():
-        rows.append(
-            f"| {name} | {c['checkpoint_bytes'] / 1e9:.3f} GB | {c['import_s']:.1f} s | {c['wall_s']['median']:.2f} s "
-            f"({c['wall_s']['p10']:.2f}-{c['wall_s']['p90']:.2f}) | {c['load_s']['median']:.2f} s | "
-            f"{c['restore_s']['median']:.2f} s | {c['max_rss_bytes']['median'] / 2**30:.2f} GiB |"
-        )
+        for command, p in (("generate", ""), ("eval", "eval_")):
+            wall, rss = c[f"{p}wall_s"], c[f"{p}max_rss_bytes"]
+            rows.append(
+                f"| {name} | {command} | {wall['median']:.2f} s ({wall['p10']:.2f}-{wall['p90']:.2f}) | "
+                f"{c[f'{p}load_s']['median']:.2f} s | {c[f'{p}restore_s']['median']:.2f} s | "
+                f"{rss['median'] / 2**30:.3f} GiB ({rss['p10'] / 2**30:.3f}-{rss['p90'] / 2**30:.3f}) | "
+                f"{c[f'{p}train_states']['median']:.0f} | {c[f'{p}live_bytes_after_load']['median'] / 1e6:.1f} MB in "
+                f"{c[f'{p}live_arrays_after_load']['median']:.0f} arrays (params {c[f'{p}param_bytes']['median'] / 1e6:.1f}"
+                f" MB) |"
+            )
     return "\n".join(rows)
 
 

@@ -137,13 +137,13 @@ def measure(args: argparse.Namespace, shape: LlamaShape) -> dict[str, Any]:
             ]
             trainer = Trainer(load_experiment("default", settings))
             trainer.stream = trainer.out = io.StringIO()
-            compiled, recorded = trainer.compiled_train_step, []
+            compiled, recorded = trainer.step.compiled_train_step, []
 
             def recording_step():
                 recorded.append(_TracedStep(compiled(), trace_dir, args.trace_from, args.trace_calls))
                 return recorded[-1]
 
-            trainer.compiled_train_step = recording_step
+            trainer.step.compiled_train_step = recording_step
             trainer.run()
             lines = (pathlib.Path(run_dir) / "metrics.jsonl").read_text().splitlines()
             records = [json.loads(line) for line in lines]

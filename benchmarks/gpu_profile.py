@@ -74,16 +74,16 @@ def build(args: argparse.Namespace, batches_needed: int) -> tuple[dict[str, Any]
         raise gpu_step.BenchmarkError(f"{jax.device_count()} devices are visible; use one (CUDA_VISIBLE_DEVICES=0).")
     _log(f"attention: axcore '{s.kernel}', pure JAX '{s.pure_attention}'; plugins {s.plugins}")
     ids = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32)
-    abstract = trainer.abstract_state()
+    abstract = trainer.step.abstract_state()
     rng = np.random.default_rng(0)
     tokens = [rng.integers(0, shape.vocab, (shape.batch, shape.seq + 1), dtype=np.int32) for _ in range(batches_needed)]
     batches = [{"input_ids": t[:, :-1], "target_labels": t[:, 1:]} for t in tokens]
     contenders, info = {}, {"axcore_kernel": s.kernel, "pure_jax_attention": s.pure_attention, "notes": list(s.notes),
                             "shape": {**shape.__dict__}}
     if "axcore" in args.contender:
-        ax_ids = jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=trainer.batch_sharding)
+        ax_ids = jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=trainer.step.batch_sharding)
         _log("compiling axcore's train step ...")
-        ax_compiled = gpu_step._compile(trainer.compiled_train_step(), abstract, {"input_ids": ax_ids, "target_labels": ax_ids})
+        ax_compiled = gpu_step._compile(trainer.step.compiled_train_step(), abstract, {"input_ids": ax_ids, "target_labels": ax_ids})
     if "pure_jax" in args.contender:
         pure_abstract = llama_jax.from_axcore(
             abstract["params"], lambda a, new: jax.ShapeDtypeStruct(gpu_step._reshaped(a.shape, new), a.dtype)
@@ -93,7 +93,7 @@ def build(args: argparse.Namespace, batches_needed: int) -> tuple[dict[str, Any]
         _log("compiling the pure-JAX train step ...")
         opt_abstract = jax.eval_shape(optimizer.init, pure_abstract)
         pure_compiled = gpu_step._compile(jitted, pure_abstract, opt_abstract, {"input_ids": ids, "target_labels": ids})
-    state = trainer.init_state()
+    state = trainer.step.init_state()
     initial = llama_jax.from_axcore(state["params"], llama_jax.host_copy) if "pure_jax" in args.contender else None
     if "axcore" in args.contender:
 
@@ -102,7 +102,7 @@ def build(args: argparse.Namespace, batches_needed: int) -> tuple[dict[str, Any]
             return state, metrics["loss"]
 
         contenders["axcore"] = gpu_step.Contender(
-            "axcore", axcore_step, state, [jax.device_put(b, trainer.batch_sharding) for b in batches],
+            "axcore", axcore_step, state, [jax.device_put(b, trainer.step.batch_sharding) for b in batches],
             llama_jax.num_params(state["params"]), *ax_compiled, s.kernel,
         )
     del state
@@ -240,6 +240,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     """Builds, warms up, times and profiles the contenders; writes the JSON; prints the table; returns the result."""
     from benchmarks import gpu_step
     from benchmarks.common import RESULTS, write_result
+    from benchmarks.gpu_step_result import ENV_KEYS
 
     args = parse_args(argv)
     # Before JAX starts its backend (the flags are read then), as gpu_step's children get them.
@@ -262,7 +263,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     attention = args.attention[0]
     payload = {"smoke": args.smoke, "attention": attention, **info, "steps": args.steps, "warmup": args.warmup,
                "no_command_buffers": args.no_command_buffers,
-               "env": {k: os.environ.get(k) for k in gpu_step.ENV_KEYS}, "contenders": results,
+               "env": {k: os.environ.get(k) for k in ENV_KEYS}, "contenders": results,
                "device_kind": jax.devices()[0].device_kind, "seconds": time.perf_counter() - start}
     results_dir = args.results_dir or (pathlib.Path(tempfile.mkdtemp(prefix="axcore-gpu-profile-")) if args.smoke else RESULTS)
     path = write_result(f"gpu_profile_{attention}", payload, results_dir=results_dir)

@@ -45,7 +45,7 @@ stage() {  # stage NAME MAX_SECONDS COMMAND...: runs within the deadline, logs, 
 for s in "$@"; do
   case $s in
     tests) stage tests 120 env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -n 6 -p no:cacheprovider \
-             --junitxml="$RESULTS/gpu_tests.xml" ${PYTEST_ARGS:-tests/gpu tests/kernels} ;;
+             --junitxml="$RESULTS/gpu_tests.xml" ${PYTEST_ARGS:-axcore_gpu/tests tests/kernels} ;;
     norm) stage norm 90 python3 -m benchmarks.gpu_norm ;;
     attention) stage attention 120 python3 -m benchmarks.gpu_attention ${PALLAS:+--pallas $PALLAS} ;;
     variants)  # The Pallas options of the attention stage's fastest set, unless PALLAS_OPTIONS is given.

@@ -13,7 +13,7 @@ Two contenders, each a full train step (forward, backward, AdamW, state donated)
 
 - `axcore`: `load_experiment(None, ["plugins=[rope,swiglu]", ...])` with the shape,
   `model.compute_dtype=bfloat16` and the rope/norm settings as overrides, the real
-  `Trainer.init_state()` and `Trainer.compiled_train_step()`;
+  `TrainStep.init_state()` and `TrainStep.compiled_train_step()`;
 - `pure_jax`: `benchmarks.llama_jax`, started from a copy of axcore's initial
   parameters, with the hyperparameters and weight-decay mask read from axcore's
   resolved experiment and parameter specs.
@@ -45,22 +45,7 @@ V vocab, B batch, T sequence), model FLOPs only (a rematerialised forward would 
 The JSON also gives the full-square count (attention 12 L B T^2 H h), as issue 10's table
 used. Peak: dense (no sparsity) bfloat16 tensor-core FLOP/s from NVIDIA's data sheets,
 matched on the device kind (`PEAK_BF16_TFLOPS`), or `--peak-tflops`; on CPU MFU is null.
-
-Per contender the result holds the median step time (and p10/p90), tokens/s, MFU,
-peak device memory (`memory_stats()["peak_bytes_in_use"]`; null where the backend has
-none, e.g. CPU), XLA's memory analysis of the compiled step, and the dtypes of every
-matmul: `requested` counts the `dot_general`s of the traced step by operand and result
-dtype (what the program asks for); `compiled` counts the matmuls of the optimized HLO
-(`dot` instructions, also those inside Triton or cuDNN GEMM fusions, `convolution`, and
-cuBLAS custom calls) by operand and result dtype (what the backend runs; XLA:CPU runs
-most bfloat16 dots in float32), plus every custom-call target (cuDNN attention appears
-as `__cudnn$fmha...`).
-
-Peak memory: axcore's state is built and its first step run while nothing else is
-on the device (only the compilers' autotuning scratch came before), so its
-`peak_bytes_in_use` is its own; pure JAX's is the process peak after its first step
-minus what axcore held when pure JAX's state was built (exact when it raised the
-process peak; otherwise an upper bound, flagged `peak_bytes_exact: false`).
+What the result holds per contender, and how each peak memory is measured: `benchmarks.gpu_step_result`.
 
 Results: `benchmarks/results/gpu_step_<attention>.json` (smoke: a temporary folder;
 `--results-dir` to choose), each naming the machine (device kind, JAX version), and a
@@ -88,24 +73,15 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.gpu_step_result import device_memory, phase_result
 from benchmarks.llama_jax import SMOKE_SHAPE, LlamaShape
-from benchmarks.step_accounting import (
-    LOSS_RTOL,
-    flops_per_step,
-    headlines,
-    hlo_matmuls,
-    jaxpr_dots,
-    peak_tflops,
-    table,
-)
+from benchmarks.step_accounting import LOSS_RTOL, table
 
 # First-step losses of the two contenders: same parameters and batch, bfloat16 compute.
 ATTENTIONS = ("auto", "xla", "cudnn")
 OOM_EXIT = 3
 SMOKE_XLA_FLAG = "--xla_backend_optimization_level=0"
 MEM_FRACTION = "0.9"
-# Environment variables recorded in each result.
-ENV_KEYS = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE", "JAX_PLATFORMS")
 
 
 class BenchmarkError(Exception):
@@ -113,23 +89,6 @@ class BenchmarkError(Exception):
 
 
 # -- One phase (runs in a child process) -------------------------------------------------
-
-
-def _memory() -> dict[str, int] | None:
-    import jax
-
-    stats = jax.devices()[0].memory_stats()
-    keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
-    return None if not stats else {k: int(stats[k]) for k in keys if k in stats}
-
-
-def _compiled_memory(compiled) -> dict[str, int] | None:
-    analysis = compiled.memory_analysis()
-    if analysis is None:
-        return None
-    sizes = ("argument", "output", "alias", "temp")
-    fields = (*(f"{size}_size_in_bytes" for size in sizes), "peak_memory_in_bytes")
-    return {f: int(getattr(analysis, f)) for f in fields if hasattr(analysis, f)}
 
 
 def axcore_overrides(shape: LlamaShape, args: argparse.Namespace, attention: str, plugins: list[str]) -> list[str]:
@@ -179,9 +138,9 @@ def select_attention(experiment, trainer, shape: LlamaShape, attention: str) -> 
     kv = jax.ShapeDtypeStruct((shape.batch, shape.seq, shape.kv_heads, shape.head_dim), dtype)
     rules = experiment.config.mesh.axis_rules or {}
     inputs = (("q", q), ("kv", kv), ("kv", kv))
-    specs = tuple(activation_spec(QKV_AXES[which], a.shape, rules, trainer.mesh) for which, a in inputs)
+    specs = tuple(activation_spec(QKV_AXES[which], a.shape, rules, trainer.step.mesh) for which, a in inputs)
     scale = 1.0 / math.sqrt(shape.head_dim)
-    problem = AttentionProblem.of(q, kv, mesh=trainer.mesh, input_specs=specs, scale=scale, causal=True, site="bench")
+    problem = AttentionProblem.of(q, kv, mesh=trainer.step.mesh, input_specs=specs, scale=scale, causal=True, site="bench")
     try:
         return kernels.select(ATTENTION, problem, requested=None if attention == "auto" else attention).name
     except AxcoreError as e:
@@ -273,7 +232,7 @@ def setup_axcore(args: argparse.Namespace, shape: LlamaShape, attention: str) ->
     pure_attention = kernel if kernel in ("xla", "cudnn") else "xla"
     if pure_attention != kernel:
         notes.append(f"axcore selected attention kernel '{kernel}', which pure JAX lacks; pure JAX runs 'xla'.")
-    specs = trainer.model.parameter_specs()
+    specs = trainer.step.model.parameter_specs()
     leaves = jax.tree.leaves(specs, is_leaf=lambda x: hasattr(x, "weight_decay_scale"))
     scales = {s.weight_decay_scale for s in leaves}
     if not scales <= {0.0, 1.0}:
@@ -310,10 +269,10 @@ def run_phase(args: argparse.Namespace, attention: str) -> dict[str, Any]:
 
     # Both steps compiled from abstract inputs before any state exists (autotuning scratch comes first).
     ids = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32)
-    abstract = trainer.abstract_state()
-    ax_ids = jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=trainer.batch_sharding)
+    abstract = trainer.step.abstract_state()
+    ax_ids = jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=trainer.step.batch_sharding)
     log("compiling axcore's train step ...")
-    ax_compiled = _compile(trainer.compiled_train_step(), abstract, {"input_ids": ax_ids, "target_labels": ax_ids})
+    ax_compiled = _compile(trainer.step.compiled_train_step(), abstract, {"input_ids": ax_ids, "target_labels": ax_ids})
     log(f"  {ax_compiled[2]}")
     pure_abstract = llama_jax.from_axcore(
         abstract["params"], lambda a, new: jax.ShapeDtypeStruct(_reshaped(a.shape, new), a.dtype)
@@ -324,7 +283,7 @@ def run_phase(args: argparse.Namespace, attention: str) -> dict[str, Any]:
     opt_abstract = jax.eval_shape(optimizer.init, pure_abstract)
     pure_compiled = _compile(jitted, pure_abstract, opt_abstract, {"input_ids": ids, "target_labels": ids})
     log(f"  {pure_compiled[2]}")
-    memory = {"after_compiles": _memory()}
+    memory = {"after_compiles": device_memory()}
 
     # The same random token batches for both, in the same order.
     rng = np.random.default_rng(0)
@@ -335,7 +294,7 @@ def run_phase(args: argparse.Namespace, attention: str) -> dict[str, Any]:
     batches = [{"input_ids": t[:, :-1], "target_labels": t[:, 1:]} for t in tokens]
 
     # axcore first, alone on the device: its state, a host copy of its initial parameters, its first step.
-    state = trainer.init_state()
+    state = trainer.step.init_state()
     initial = llama_jax.from_axcore(state["params"], llama_jax.host_copy)  # Before its step donates the state.
 
     def axcore_step(state, batch):
@@ -343,12 +302,12 @@ def run_phase(args: argparse.Namespace, attention: str) -> dict[str, Any]:
         return state, metrics["loss"]
 
     axcore = Contender(
-        "axcore", axcore_step, state, [jax.device_put(b, trainer.batch_sharding) for b in batches],
+        "axcore", axcore_step, state, [jax.device_put(b, trainer.step.batch_sharding) for b in batches],
         llama_jax.num_params(state["params"]), *ax_compiled, s.kernel,
     )
     del state
     axcore.run(1)
-    memory["after_axcore_first_step"] = _memory()
+    memory["after_axcore_first_step"] = device_memory()
 
     def pure_step(state, batch):
         params, opt_state, loss = pure_compiled[0](*state, batch)
@@ -364,7 +323,7 @@ def run_phase(args: argparse.Namespace, attention: str) -> dict[str, Any]:
     if pure.num_params != axcore.num_params:
         raise BenchmarkError(f"parameter counts differ: axcore {axcore.num_params}, pure JAX {pure.num_params}")
     pure.run(1)
-    memory["after_pure_first_step"] = _memory()
+    memory["after_pure_first_step"] = device_memory()
     log(f"first-step losses: axcore {float(axcore.losses[0])}, pure JAX {float(pure.losses[0])}")
 
     # Warm-up, then alternated timed rounds of `steps_per_round` steps each.
@@ -376,95 +335,12 @@ def run_phase(args: argparse.Namespace, attention: str) -> dict[str, Any]:
     return phase_result(args, shape, s, contenders, times, memory)
 
 
-def phase_result(args, shape: LlamaShape, s: Setup, contenders: dict[str, Contender], times, memory) -> dict[str, Any]:
-    """The phase's JSON payload (module docstring)."""
-    import jax
-    import numpy as np
-
-    from benchmarks.common import pairwise_ratio, summarize
-
-    flops = flops_per_step(shape)
-    platform = jax.default_backend()
-    peak, peak_source = peak_tflops(jax.devices()[0].device_kind, platform, args.peak_tflops)
-    peaks, notes = _own_peaks(memory), list(s.notes)
-    curves = {name: [float(x) for x in c.losses] for name, c in contenders.items()}
-    results = {}
-    for name, c in contenders.items():
-        step_s = summarize(times[name])
-        per_s = 1.0 / step_s["median"]
-        results[name] = {
-            "attention": c.attention,
-            "num_params": c.num_params,
-            "compile_s": c.compile_s,
-            "step_time_s": step_s,
-            "tokens_per_s": shape.batch * shape.seq * per_s,
-            "achieved_tflops": flops["total"] * per_s / 1e12,
-            "mfu": None if peak is None else flops["total"] * per_s / (peak * 1e12),
-            "mfu_full_square": None if peak is None else flops["total_full_square"] * per_s / (peak * 1e12),
-            "peak_bytes_in_use": peaks[name]["bytes"],
-            "peak_bytes_exact": peaks[name]["exact"],
-            "compiled_memory": _compiled_memory(c.compiled),
-            "first_step_loss": curves[name][0],
-            "losses": curves[name],
-            "dots": {"requested": jaxpr_dots(c.jaxpr), **hlo_matmuls(c.compiled.as_text())},
-        }
-        fmha = sum(n for target, n in results[name]["dots"]["custom_calls"].items() if "fmha" in target)
-        if (c.attention == "cudnn") != (fmha > 0):
-            notes.append(f"{name} runs attention '{c.attention}' but its compiled step has {fmha} cuDNN fmha calls.")
-    if contenders["axcore"].num_params != shape.num_params():
-        notes.append(f"axcore has {contenders['axcore'].num_params} parameters; LlamaShape says {shape.num_params()}.")
-    first = (curves["axcore"][0], curves["pure_jax"][0])
-    first_rel = abs(first[0] - first[1]) / abs(first[1])
-    rel = np.abs(np.subtract(curves["axcore"], curves["pure_jax"])) / np.abs(curves["pure_jax"])
-    cfg = s.experiment.config
-    result = {
-        "smoke": args.smoke,
-        "attention": {"requested": s.attention, "axcore_kernel": s.kernel, "pure_jax": s.pure_attention},
-        "model": {**dataclasses.asdict(shape), "head_dim": shape.head_dim, "num_params": shape.num_params()},
-        "dtypes": {"param": str(np.dtype(cfg.model.param_dtype or "float32")), "compute": str(s.compute_dtype)},
-        "hyper": dataclasses.asdict(s.hyper),
-        "axcore_plugins": s.plugins,
-        "warmup_steps": args.warmup,
-        "rounds": args.rounds,
-        "steps_per_round": args.steps_per_round,
-        "flops_per_step": flops,
-        "peak_tflops": peak,
-        "peak_source": peak_source,
-        "contenders": results,
-        "ratio_axcore_over_pure_jax": pairwise_ratio(times["axcore"], times["pure_jax"]),
-        "first_step_loss_rel_diff": first_rel,
-        "loss_rtol": LOSS_RTOL,
-        "first_step_losses_agree": first_rel <= LOSS_RTOL,
-        "loss_max_rel_diff_all_steps": float(rel.max()),
-        "memory_stats": memory,
-        "env": {k: os.environ.get(k) for k in ENV_KEYS},
-        "load_average_1min": os.getloadavg()[0],
-        "notes": notes,
-    }
-    result["headlines"] = headlines(result)
-    return result
-
-
 def _reshaped(shape: tuple[int, ...], new: tuple[int, ...] | None) -> tuple[int, ...]:
     """`new` (None: `shape` itself) with its -1 resolved against the size of `shape`."""
     if new is None:
         return tuple(shape)
     size, known = math.prod(shape), math.prod(d for d in new if d != -1)
     return tuple(size // known if d == -1 else d for d in new)
-
-
-def _own_peaks(memory: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each contender's own peak device bytes (module docstring); None where the backend keeps no stats."""
-    before, ax, pure = memory["after_compiles"], memory["after_axcore_first_step"], memory["after_pure_first_step"]
-    if not (before and ax and pure) or "peak_bytes_in_use" not in ax:
-        return {"axcore": {"bytes": None, "exact": None}, "pure_jax": {"bytes": None, "exact": None}}
-    return {
-        "axcore": {"bytes": ax["peak_bytes_in_use"], "exact": ax["peak_bytes_in_use"] > before["peak_bytes_in_use"]},
-        "pure_jax": {
-            "bytes": pure["peak_bytes_in_use"] - ax["bytes_in_use"],
-            "exact": pure["peak_bytes_in_use"] > ax["peak_bytes_in_use"],
-        },
-    }
 
 
 # -- Command line and phases ---------------------------------------------------------------
@@ -511,7 +387,7 @@ def shape_of(args: argparse.Namespace) -> LlamaShape:
     return dataclasses.replace(base, **given)
 
 
-def _phase_main(args: argparse.Namespace) -> int:
+def phase_main(args: argparse.Namespace) -> int:
     """Child process: one phase, its JSON written (also on failure); exit OOM_EXIT when out of device memory."""
     from benchmarks.common import write_result
 
@@ -598,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.phase is not None:
-        return _phase_main(args)
+        return phase_main(args)
     return 1 if run(argv=argv)["failed"] else 0
 
 

@@ -157,13 +157,13 @@ def build(name: str, args: argparse.Namespace, shape: LlamaShape) -> Variant:
     experiment = load_experiment(None, settings)
     set_pallas_options(experiment, args.pallas_options)
     trainer = Trainer(experiment)
-    ids = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32, sharding=trainer.batch_sharding)
+    ids = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32, sharding=trainer.step.batch_sharding)
     fields = ("input_ids", "target_labels") + (("segment_ids", "positions") if packed else ())
     started = time.perf_counter()
     with record_kernel_choices() as choices:
-        compiled = trainer.compiled_train_step().trace(trainer.abstract_state(), dict.fromkeys(fields, ids)).lower().compile()
+        compiled = trainer.step.compiled_train_step().trace(trainer.step.abstract_state(), dict.fromkeys(fields, ids)).lower().compile()
     seconds = time.perf_counter() - started
-    return Variant(name, trainer, compiled, seconds, trainer.init_state(), packed, _plain(choices))
+    return Variant(name, trainer, compiled, seconds, trainer.step.init_state(), packed, _plain(choices))
 
 
 def _plain(choices: Any) -> dict:
@@ -175,7 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import jax
 
     from benchmarks.common import alternate
-    from benchmarks.gpu_step import _memory, shape_of
+    from benchmarks.gpu_step import shape_of
+    from benchmarks.gpu_step_result import device_memory
 
     shape = shape_of(args)
     if not args.smoke and jax.default_backend() == "cpu":
@@ -192,13 +193,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:  # A contender that cannot build is reported, the others run.
             failed[name] = f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
             print(f"[gpu_variants]   failed: {failed[name]}", file=sys.stderr, flush=True)
-    on_device = {name: jax.device_put(packed if v.packed else plain, v.trainer.batch_sharding) for name, v in variants.items()}
-    memory = {"after_builds": _memory()}
+    on_device = {name: jax.device_put(packed if v.packed else plain, v.trainer.step.batch_sharding) for name, v in variants.items()}
+    memory = {"after_builds": device_memory()}
     for name, v in variants.items():
         v.run(on_device[name], args.warmup)
     timed = {name: functools.partial(v.run, on_device[name], args.steps_per_round) for name, v in variants.items()}
     times = alternate(timed, args.rounds)
-    memory["after_timing"] = _memory()
+    memory["after_timing"] = device_memory()
     data = summary(args, shape, variants, times, failed, memory)
     save(args, data)  # Saved now: the loss curves below take longest and must not lose the timings.
 
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             v.losses.clear()
             for i in range(0, args.loss_steps, 50):
                 chunk = more[i:i + 50]  # Steps i.. take chunk[0..]: i is a multiple of the chunk's 50.
-                v.run(jax.device_put(chunk, v.trainer.batch_sharding), len(chunk))
+                v.run(jax.device_put(chunk, v.trainer.step.batch_sharding), len(chunk))
             loss_curves[name] = [float(x) for x in jax.device_get(v.losses)]
     data["loss_curves"] = loss_curves
     if {"bf16", "fp8"} <= set(loss_curves):

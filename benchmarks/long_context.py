@@ -2,7 +2,7 @@
 
 `python -m benchmarks.long_context` (sets `--xla_force_host_platform_device_count=8`
 itself) compiles the train step of `benchmarks/experiments/llama3_1b_128k.yaml` on
-abstract inputs (`axcore.cli.compile.compile_step`: nothing is allocated) in several
+abstract inputs (`axcore.trainer.compile_analysis.compile_step`: nothing is allocated) in several
 configurations and prints one markdown row each: per-device bytes of arguments,
 temporaries and the estimated peak (argument + output + temp - alias), as
 `axcore compile` reports them.
@@ -48,9 +48,10 @@ CONFIGURATIONS = {
 
 
 def measure(name: str) -> dict:
-    from axcore.cli.compile import compile_step
     from axcore.experiment import load_experiment
     from axcore.kernels import record_kernel_choices
+    from axcore.trainer.compile_analysis import compile_step
+    from axcore.trainer.memory_check import estimated_peak
 
     overrides, policy, what = CONFIGURATIONS[name]
     experiment = load_experiment(EXPERIMENT, ["mesh.instance_type=cpu-8", *overrides])
@@ -69,7 +70,7 @@ def measure(name: str) -> dict:
         "name": name, "what": what, "mesh": step.mesh, "seconds": time.perf_counter() - t0,
         "attention": ", ".join(sorted(choices.get("attention", {}))),
         "argument": mem["argument"], "temp": mem["temp"],
-        "peak": mem["argument"] + mem["output"] + mem["temp"] - mem["alias"],
+        "peak": estimated_peak(mem),
     }
 
 

@@ -6,7 +6,7 @@ process, since a child's ru_maxrss includes what it inherited before exec):
 
 - `axcore_train`: `python -m axcore.cli train --set trainer.max_steps=N` on the
   default experiment (the whole job: data, eval, checkpoint, TensorBoard, sample);
-- `axcore_step`: only axcore's `Trainer.init_state()` and `compiled_train_step()`
+- `axcore_step`: only axcore's `TrainStep.init_state()` and `compiled_train_step()`
   on corpus batches (this module run as a script), to tell the framework's step
   from the training loop's extras;
 - `pure_jax_step`: `python -m benchmarks.pure_jax_model --steps N` (random tokens).
@@ -147,12 +147,12 @@ def axcore_step_only(steps: int, smoke: bool) -> None:
 
     experiment = load_experiment(None, SMOKE_OVERRIDES if smoke else [])
     trainer = Trainer(experiment)
-    state = trainer.init_state()
-    step = trainer.compiled_train_step()
+    state = trainer.step.init_state()
+    step = trainer.step.compiled_train_step()
     batches = experiment.config.input.make_iterator(Split.TRAIN)
     loss = None
     for _ in range(steps):
-        state, metrics = step(state, jax.device_put(next(batches), trainer.batch_sharding))
+        state, metrics = step(state, jax.device_put(next(batches), trainer.step.batch_sharding))
         loss = float(metrics["loss"])
     print(f"loss {loss:.4f} peak_rss_kib {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}")
 

@@ -54,14 +54,13 @@ def _experiment(variant: str, layers: int, batch: int, seq: int):
 
 def compiled(variant: str, layers: int, batch: int, seq: int) -> dict[str, int]:
     """`memory_analysis()` of the variant's compiled train step and the predicted train state, in bytes."""
-    from axcore.trainer.step import TrainStep
+    from axcore.trainer.compile_analysis import compile_step
 
     from axcore_lora.memory import train_state_memory
 
     experiment = _experiment(variant, layers, batch, seq)
-    step = TrainStep(experiment)
-    analysis = step.compiled_train_step().lower(step.abstract_state(), step.abstract_batch()).compile().memory_analysis()
-    argument, temp = analysis.argument_size_in_bytes, analysis.temp_size_in_bytes
+    sizes = compile_step(experiment).memory
+    argument, temp = sizes["argument"], sizes["temp"]
     return {"argument": argument, "temp": temp, "peak": argument + temp,
             "predicted": train_state_memory(experiment)["train_state_bytes"]}
 

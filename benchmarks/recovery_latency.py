@@ -1,6 +1,6 @@
 """Recovery latency: SIGKILL of `axcore train` to the first completed step after the restart.
 
-Setup: the default experiment with the tiny model of tests/tiny.py (d=32, 2 layers,
+Setup: the default experiment with the tiny model of axcore.testing.TINY_OVERRIDES (d=32, 2 layers,
 batch 4 x 32 tokens; the crash test's model), `trainer.log_every=1`, a checkpoint
 every 5 steps (async), no eval, no sample, `trainer.max_steps=100000` (runs never end).
 
@@ -60,6 +60,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from axcore.placement.layout import checkpoints_path
 from benchmarks.common import summarize, write_result
 
 NAME = "recovery_latency"
@@ -68,7 +69,7 @@ CACHES = ("cold", "warm")
 MARK = "[recovery-mark]"
 EVERY = 5
 PROCESS_TIMEOUT_S = 300.0
-TINY = [  # tests/tiny.py's TINY.
+TINY = [  # axcore.testing.TINY_OVERRIDES.
     "model.dim=32",
     "model.num_layers=2",
     "model.position_embedding.max_len=32",
@@ -218,7 +219,7 @@ class Child:
 
 
 def _committed_steps(backend: str, run_dir: pathlib.Path) -> list[int]:
-    directory = run_dir / "checkpoints"
+    directory = checkpoints_path(run_dir)
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -423,7 +424,7 @@ def run(smoke: bool = False, results_dir: pathlib.Path | None = None, *, rounds:
     data = {
         "smoke": smoke,
         "setup": {
-            "experiment": "default, tiny model (tests/tiny.py)",
+            "experiment": "default, tiny model (axcore.testing.TINY_OVERRIDES)",
             "overrides": overrides("<backend>", pathlib.Path("<run_dir>")),
             "rounds": rounds,
             "contenders": [c.name for c in contenders],

@@ -2,7 +2,7 @@
 
 Each command runs as a fresh subprocess (the installed `axcore` console script),
 with and without N extra dummy plugins installed in the `axcore` entry-point group.
-"Installed" is simulated as in tests/test_entry_points.py: a directory on
+"Installed" is simulated as in tests/plugin/test_entry_points.py: a directory on
 PYTHONPATH holding `axcore_dummy<i>-0.1.dist-info/` folders (METADATA and
 entry_points.txt `dummy<i> = axcore_dummy_<i>`) and tiny modules with one hookimpl
 each. The baseline gets an *empty* directory on PYTHONPATH, so the two differ only

@@ -4,8 +4,8 @@ One decoder (vocab 256, d_model 256, 4 layers, 4 heads, FFN 1024 exact GELU, seq
 batch 8, float32, RoPE, pre-RMSNorm, untied head, AdamW with clipping and weight
 decay masked off norm scales, constant learning rate), four ways:
 
-- `axcore`: `load_experiment(None, ["plugins=[rope]", ...])`, `Trainer.init_state()`
-  and `Trainer.compiled_train_step()`, exactly what `axcore train` runs;
+- `axcore`: `load_experiment(None, ["plugins=[rope]", ...])`, `TrainStep.init_state()`
+  and `TrainStep.compiled_train_step()`, exactly what `axcore train` runs;
 - `axcore_scan`: the same through the built-in `scan` experiment (lax.scan stack);
 - `pure_jax`: `benchmarks.pure_jax_model`;
 - `flax_nnx`: `benchmarks.flax_model` (skipped with a note when flax is missing).
@@ -102,7 +102,7 @@ def _zero_batch(shape: ModelShape) -> dict[str, np.ndarray]:
 
 
 def _axcore_contender(name: str, trainer, state: dict, shape: ModelShape) -> Contender:
-    step_fn = trainer.compiled_train_step()
+    step_fn = trainer.step.compiled_train_step()
     holder = {"state": state}
 
     def step(batch):
@@ -114,8 +114,8 @@ def _axcore_contender(name: str, trainer, state: dict, shape: ModelShape) -> Con
         step,
         pure.num_params(state["params"]),
         # Lowered on the live state, so it hits the cache of the first call (no second compile).
-        lambda: step_fn.lower(holder["state"], jax.device_put(_zero_batch(shape), trainer.batch_sharding)).compile(),
-        place=lambda batch: jax.device_put(batch, trainer.batch_sharding),
+        lambda: step_fn.lower(holder["state"], jax.device_put(_zero_batch(shape), trainer.step.batch_sharding)).compile(),
+        place=lambda batch: jax.device_put(batch, trainer.step.batch_sharding),
         trainer=trainer,
         state=lambda: holder["state"],
     )
@@ -148,7 +148,7 @@ def build_contenders(shape: ModelShape, *, with_scan: bool = True, with_flax: bo
     experiment = load_experiment(None, axcore_overrides(shape))
     hyper = hyper_of(experiment)
     trainer = Trainer(experiment)
-    state = trainer.init_state()
+    state = trainer.step.init_state()
     initial = pure.from_axcore(state["params"])  # Copies, before axcore's step donates its state.
     contenders = {"axcore": _axcore_contender("axcore", trainer, state, shape)}
     if with_scan:
@@ -158,8 +158,8 @@ def build_contenders(shape: ModelShape, *, with_scan: bool = True, with_flax: bo
             "decoder": {"layer": jax.tree.map(lambda *xs: jnp.stack(xs), *state["params"]["decoder"].values())},
         }
         stacked = jax.tree.map(jnp.array, stacked)
-        scan_state = dict(scan_trainer.init_state(), params=stacked, opt_state=scan_trainer.optimizer.init(stacked))
-        scan_state = jax.device_put(scan_state, scan_trainer.state_shardings)
+        scan_state = dict(scan_trainer.step.init_state(), params=stacked, opt_state=scan_trainer.step.optimizer.init(stacked))
+        scan_state = jax.device_put(scan_state, scan_trainer.step.state_shardings)
         contenders["axcore_scan"] = _axcore_contender("axcore_scan", scan_trainer, scan_state, shape)
     params = jax.tree.map(jnp.array, initial)
     optimizer = pure.make_optimizer(params, hyper)

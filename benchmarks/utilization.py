@@ -205,7 +205,7 @@ def run(smoke: bool = False, results_dir: pathlib.Path | None = None) -> dict[st
     key = jax.random.key(0)
 
     def loss(p, b):
-        (value, _), _ = functional(trainer.model, p, (b,), key, True)
+        (value, _), _ = functional(trainer.step.model, p, (b,), key, True)
         return value
 
     forward = jax.jit(loss)

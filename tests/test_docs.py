@@ -14,12 +14,13 @@ from axcore.config import ConfigBase, InstantiableConfig, find
 from axcore.experiment import ExperimentConfig
 from axcore.layers import MultiheadAttention, RMSNorm
 from axcore.plugin import hookspecs
-from axcore.tools.experiment_reference import experiment_reference, field_comment
-from axcore.tools.hook_reference import hook_names, hook_reference, signature_text
+
+from axcore_devtools.experiment_reference import experiment_reference, field_comment
+from axcore_devtools.hook_reference import hook_names, hook_reference, signature_text
 
 ROOT = pathlib.Path(__file__).parent.parent
 DOCS = ROOT / "docs"
-REGENERATE = "regenerate it: python -m axcore.tools.{} > docs/{}"
+REGENERATE = "regenerate it (after pip install ./devtools): python -m axcore_devtools.{} > docs/{}"
 
 
 def blocks(doc: str, language: str) -> list[str]:
@@ -61,7 +62,8 @@ def test_every_hookspec_is_documented_with_its_exact_signature(hook):
 def test_hook_reference_lists_every_hookspec_and_nothing_else():
     text = (DOCS / "hooks.md").read_text()
     assert re.findall(r"^### `(\w+)`$", text, re.M) == hook_names()
-    spec_names = [n for n, f in vars(hookspecs).items() if inspect.isfunction(f) and f.__module__ == hookspecs.__name__]
+    spec_names = [n for module in hookspecs.PHASES for n, f in vars(module).items()
+                  if inspect.isfunction(f) and f.__module__ == module.__name__]
     assert sorted(hook_names()) == sorted(spec_names)
 
 

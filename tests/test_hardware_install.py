@@ -17,7 +17,7 @@ import venv
 
 import pytest
 
-import tiny
+from axcore.testing import TINY_OVERRIDES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # (source folder, distribution, plugin name) of each hardware package present in the checkout.
@@ -52,7 +52,7 @@ def environment(tmp_path_factory):
 
 def _train(python, root, name):
     run_dir = root / name
-    overrides = [*tiny.TINY, "trainer.max_steps=2", "trainer.eval_every=0", f"trainer.run_dir={run_dir}"]
+    overrides = [*TINY_OVERRIDES, "trainer.max_steps=2", "trainer.eval_every=0", f"trainer.run_dir={run_dir}"]
     args = ["-m", "axcore.cli", "train", "default"]
     for override in overrides:
         args += ["--set", override]

@@ -49,3 +49,23 @@ def test_an_upward_import_breaks_them(tmp_path, lower, upper):
     assert proc.returncode != 0, proc.stdout[-4000:]
     importer = "axcore." + lower.replace("/", ".")
     assert f"{importer} is not allowed to import {upper}" in proc.stdout, proc.stdout[-4000:]
+
+
+@pytest.mark.parametrize(
+    "importer, contract",
+    [
+        # Inference sits above the trainer, so only its own contract refuses `axcore.trainer` (it uses the placement).
+        ("inference/run_loading", "axcore.inference is not allowed to import axcore.trainer"),
+        # The placement sits below the train step that owns one.
+        ("placement/placement", "axcore.placement is not allowed to import axcore.trainer"),
+    ],
+)
+def test_importing_the_train_step_breaks_them(tmp_path, importer, contract):
+    shutil.copytree(ROOT / "axcore", tmp_path / "axcore", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    module = tmp_path / "axcore" / f"{importer}.py"
+    module.write_text(module.read_text() + "\n\ndef _late():\n    import axcore.trainer.step  # A training step.\n")
+    proc = _lint_imports(tmp_path, tmp_path)
+    assert proc.returncode != 0, proc.stdout[-4000:]
+    assert contract in proc.stdout, proc.stdout[-4000:]
+    assert f"axcore.{importer.replace('/', '.')} -> axcore.trainer.step" in proc.stdout, proc.stdout[-4000:]

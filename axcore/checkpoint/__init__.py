@@ -10,8 +10,6 @@ log file (the trainer's `<run_dir>/logs/checkpoint.log`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from axcore._lazy import lazy_exports
 from axcore.checkpoint._save_log import checkpoint_log_file, save_reports_to
 from axcore.checkpoint.base import (
@@ -41,8 +39,3 @@ __all__ = [
 
 
 __getattr__, __dir__ = lazy_exports(globals(), _LAZY)
-
-
-if TYPE_CHECKING:
-    from axcore.checkpoint.orbax_backend import OrbaxBackend
-    from axcore.checkpoint.tensorstore_backend import TensorStoreBackend

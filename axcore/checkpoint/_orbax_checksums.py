@@ -2,7 +2,7 @@
 
 Layout: `<step>/checksums/process_<i>.json`, one per process, each
 `{"format": "axcore.orbax.checksums/1", "process": i, "pieces": {path: [piece, ...]}}`
-with the `_verify` pieces of the replica-0 shards process i holds (NumPy leaves:
+with the `verify` pieces of the replica-0 shards process i holds (NumPy leaves:
 process 0). Restore reads every process's file (`read`), so each process verifies
 whatever it restores, also shards another process saved.
 
@@ -17,7 +17,7 @@ Why this shape (orbax 0.12.8, checked in its sources):
   (orbax's default, no checksum codec at all), and with `use_zarr3` the codec chain
   orbax builds (`tensorstore_utils._build_zarr3_metadata`) has a crc32c codec only for
   the shard index, none for the data chunks; neither is an option.
-- So the checksums are computed on the device (`_verify.PendingChecksums`: one jitted
+- So the checksums are computed on the device (`verify.PendingChecksums`: one jitted
   call per local device for all its shards, dispatched before `save` returns, so a
   donating step that follows runs after it has read the buffers), and this item's
   commit future fetches the few resulting words in orbax's background commit thread
@@ -48,7 +48,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from axcore.checkpoint import _verify
+from axcore.checkpoint import verify
 from axcore.checkpoint.base import CheckpointError
 
 ITEM = "checksums"
@@ -62,7 +62,7 @@ def file_name(process: int) -> str:
 
 
 class ChecksumsHandler(ocp.AsyncCheckpointHandler):
-    """Writes this process's `_verify.PendingChecksums` once the device has them."""
+    """Writes this process's `verify.PendingChecksums` once the device has them."""
 
     async def async_save(self, directory: Any, args: ChecksumsSave) -> list[Any]:
         return [_WriteWhenAwaited(directory, args.pending)]
@@ -84,7 +84,7 @@ class _WriteWhenAwaited:
     future that orbax awaits earlier; the write still waits for the directory to exist.
     """
 
-    def __init__(self, directory: Any, pending: _verify.PendingChecksums):
+    def __init__(self, directory: Any, pending: verify.PendingChecksums):
         self._directory = os.fspath(directory)
         self._pending = pending
         self._lock = threading.Lock()
@@ -119,7 +119,7 @@ def _await_directory(path: str, timeout_s: float) -> None:
 class ChecksumsSave(ocp.args.CheckpointArgs):
     """Save argument: the checksums being computed (dispatched by the backend's `save`)."""
 
-    pending: _verify.PendingChecksums
+    pending: verify.PendingChecksums
 
 
 @dataclasses.dataclass
@@ -135,7 +135,7 @@ def register() -> None:
     ocp.args.register_with_handler(ChecksumsHandler, for_restore=True)(ChecksumsRestore)
 
 
-def _write(directory: Any, pending: _verify.PendingChecksums) -> None:
+def _write(directory: Any, pending: verify.PendingChecksums) -> None:
     pieces = pending.result()  # Waits for the device's few words, not on the training thread.
     process = jax.process_index()
     record = {"format": _FORMAT, "process": process, "pieces": pieces}
@@ -163,6 +163,6 @@ def read(item_dir: str, processes: int) -> dict[str, list[dict]]:
             for path, pieces in record["pieces"].items():
                 merged.setdefault(path, []).extend(pieces)
         except (OSError, ValueError, AttributeError) as e:
-            why = f"{name} is unreadable ({_verify.cause(e)})"
+            why = f"{name} is unreadable ({verify.cause(e)})"
             raise CheckpointError(why, reason=why) from None
     return merged

@@ -63,7 +63,12 @@ class CheckpointBackend(Protocol):
     CheckpointError if it cannot). Optional, used by the trainer when it starts:
     `discard_incomplete(step)` (deletes a step directory without a commit marker, such
     as an old step whose pruning a kill interrupted; raises CheckpointError for a
-    committed step or when it cannot).
+    committed step or when it cannot). Optional, used by run loading when a path names one
+    step's directory (`axcore generate RUN/checkpoints/200`): `step_of(name) -> int | None`
+    (the step a directory entry named `name` holds, `200` for orbax and `step_00000200`
+    for tensorstore, None for any other name; the built-ins list their steps through it
+    too, so the name is parsed in one place). Without it, a run is loaded by its
+    directory and `--step`.
     """
 
     def save(self, step: int, state: PyTree, metadata: dict) -> None:

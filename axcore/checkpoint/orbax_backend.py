@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import options as ocp_options
 from orbax.checkpoint.path import atomicity as ocp_atomicity
 
-from axcore.checkpoint import _aside, _orbax_checksums, _save_log, _tree, _verify
+from axcore.checkpoint import _aside, _orbax_checksums, _save_log, _tree, verify
 from axcore.checkpoint.base import CheckpointError, PyTree
 
 log = logging.getLogger(__name__)
@@ -98,13 +98,13 @@ class OrbaxBackend:
         # Computed on the device, fetched and written by the checksums item in orbax's commit
         # thread. Dispatched after orbax's (async) save call, not during its host copy (see
         # _orbax_checksums); a synchronous save call writes the item itself, so before it.
-        pending = _verify.PendingChecksums(state)
+        pending = verify.PendingChecksums(state)
         if not self._async:
             _dispatch(pending, where)
         meta = {
             "format": _FORMAT,
             "metadata": metadata,
-            "metadata_crc32": _verify.json_checksum(metadata),
+            "metadata_crc32": verify.json_checksum(metadata),
             "index": _tree.index_of(state),
             # Where the arrays' checksums are: one file per process in this item.
             "checksums_item": {"name": _orbax_checksums.ITEM, "processes": jax.process_count()},
@@ -140,6 +140,11 @@ class OrbaxBackend:
 
     # -- listing --------------------------------------------------------------------------
 
+    @staticmethod
+    def step_of(name: str) -> int | None:
+        """The step of a step directory's name (orbax names it by the step's digits), None for any other name."""
+        return int(name) if name.isdigit() else None
+
     def all_steps(self) -> list[int]:
         # orbax lists a step as soon as its save starts; only count finalized ones.
         return sorted(s for s in self._manager.all_steps() if self._is_committed(s))
@@ -154,7 +159,8 @@ class OrbaxBackend:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return []
-        return sorted(int(n) for n in names if n.isdigit() and not self._is_committed(int(n)))
+        steps = [self.step_of(n) for n in names]
+        return sorted(s for s in steps if s is not None and not self._is_committed(s))
 
     def discard_incomplete(self, step: int) -> None:
         """Deletes `step`'s directory, which has no commit marker (e.g. left by pruning a kill interrupted).
@@ -192,7 +198,7 @@ class OrbaxBackend:
         try:
             meta = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
         except Exception as e:
-            why = f"{meta_file} is unreadable: {_verify.cause(e)}"
+            why = f"{meta_file} is unreadable: {verify.cause(e)}"
             raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why) from None
         found = meta.get("format") if isinstance(meta, dict) else None
         if isinstance(found, str) and found.startswith("axcore.orbax/") and found not in _READABLE:
@@ -207,9 +213,9 @@ class OrbaxBackend:
         try:
             _tree.check_matches(meta["index"], abstract, where, partial=partial)
         except (KeyError, TypeError, AttributeError) as e:
-            why = f"{meta_file} has a malformed index ({_verify.cause(e)})"
+            why = f"{meta_file} has a malformed index ({verify.cause(e)})"
             raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why) from None
-        _verify.verify_metadata(meta.get("metadata"), meta.get("metadata_crc32"), where, meta_file)
+        verify.verify_metadata(meta.get("metadata"), meta.get("metadata_crc32"), where, meta_file)
         try:
             restore_args = jax.tree.map(lambda leaf: ocp.ArrayRestoreArgs(sharding=leaf.sharding), abstract)
             # partial_restore: orbax reads only the target's leaves (the rest is never deserialized).
@@ -217,18 +223,18 @@ class OrbaxBackend:
             restored = self._manager.restore(step, args=ocp.args.Composite(**{_STATE: args}))[_STATE]
         except Exception as e:  # E.g. a missing or truncated data file, or a differing container type.
             _quiet_orbax_leftovers()
-            why = f"{step}/{_STATE} cannot be read: {_verify.cause(e)}"
+            why = f"{step}/{_STATE} cannot be read: {verify.cause(e)}"
             raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why) from None
         checksums = meta.get("checksums") or _read_checksums(meta, self.directory, step, where)
         for path, x in jax.tree_util.tree_flatten_with_path(restored)[0]:
             path = jax.tree_util.keystr(path)
             if not isinstance(x, jax.Array):
                 x = jax.numpy.asarray(x)
-            regions = _verify.host_regions(x)
+            regions = verify.host_regions(x)
             if x.dtype.name != _index_dtype(meta["index"], path):
                 why = f"{path} in {step}/{_STATE} was restored as {x.dtype.name}, not the saved dtype"
                 raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why)
-            _verify.verify_pieces(path, checksums.get(path, ()), regions, where, f"{step}/{_STATE}")
+            verify.verify_pieces(path, checksums.get(path, ()), regions, where, f"{step}/{_STATE}")
         return restored, meta["metadata"]
 
     def close(self) -> None:
@@ -250,7 +256,7 @@ class OrbaxBackend:
         return f"OrbaxBackend({self.directory!r}, keep_last_n={self.keep_last_n}, compress={self.compress})"
 
 
-def _dispatch(pending: _verify.PendingChecksums, where: str) -> None:
+def _dispatch(pending: verify.PendingChecksums, where: str) -> None:
     try:
         pending.dispatch()
     except Exception as e:  # An async save then fails to commit; wait() says so again.
@@ -267,7 +273,7 @@ def _read_checksums(meta: dict, directory: str, step: int, where: str) -> dict:
         if name != _orbax_checksums.ITEM:
             raise ValueError(f"unknown checksums item {name!r}")
     except (KeyError, TypeError, ValueError) as e:
-        why = f"{step}/{_META}/metadata has a malformed checksums entry ({_verify.cause(e)})"
+        why = f"{step}/{_META}/metadata has a malformed checksums entry ({verify.cause(e)})"
         raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why) from None
     try:
         return _orbax_checksums.read(os.path.join(directory, str(step), name), processes)

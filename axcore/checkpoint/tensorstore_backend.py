@@ -22,7 +22,7 @@ thread, and from the one copy the write needs anyway), each process for its own
 shards. A step that failed verification can be renamed out of the way with
 `set_aside` (see `_aside`). `restore` reads, for each leaf, only the slices
 the target sharding places on this process's devices, and verifies index.json, the
-metadata and every saved piece it read (see `_verify`), plus each array's zarr.json
+metadata and every saved piece it read (see `verify`), plus each array's zarr.json
 dtype and shape; any failure is a one-line CheckpointError naming the file.
 """
 
@@ -45,7 +45,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from axcore.checkpoint import _aside, _tree, _verify
+from axcore.checkpoint import _aside, _tree, verify
 from axcore.checkpoint.base import CheckpointError, PyTree
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ class TensorStoreBackend:
         for leaf, future in zip(leaves, opening):
             store = future.result()
             writes += [store[_slices(index)].write(data) for index, data in leaf.pieces if data.size]
-        checksums = {leaf.path: [_verify.piece(i, d) for i, d in leaf.pieces if d.size] for leaf in leaves}
+        checksums = {leaf.path: [verify.piece(i, d) for i, d in leaf.pieces if d.size] for leaf in leaves}
         for w in writes:
             w.result()
         pid, nproc = jax.process_index(), jax.process_count()
@@ -181,7 +181,7 @@ class TensorStoreBackend:
             "format": _FORMAT,
             "step": step,
             "metadata": metadata,
-            "metadata_crc32": _verify.json_checksum(metadata),
+            "metadata_crc32": verify.json_checksum(metadata),
             "arrays": arrays,
             "empty": empty,
         }
@@ -208,17 +208,19 @@ class TensorStoreBackend:
 
     # -- listing --------------------------------------------------------------------------
 
+    @staticmethod
+    def step_of(name: str) -> int | None:
+        """The step of a step directory's name (`step_00000200`, see `step_dir_name`), None for any other name."""
+        match = _STEP_DIR.fullmatch(name)
+        return int(match.group(1)) if match else None
+
     def all_steps(self) -> list[int]:
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return []
-        steps = []
-        for name in names:
-            match = _STEP_DIR.fullmatch(name)
-            if match and os.path.exists(os.path.join(self.directory, name, COMMIT_MARKER)):
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        committed = [n for n in names if os.path.exists(os.path.join(self.directory, n, COMMIT_MARKER))]
+        return sorted(s for s in map(self.step_of, committed) if s is not None)
 
     def latest_step(self) -> int | None:
         steps = self.all_steps()
@@ -230,8 +232,8 @@ class TensorStoreBackend:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return []
-        matches = [_STEP_DIR.fullmatch(n) for n in names if not os.path.exists(os.path.join(self.directory, n, COMMIT_MARKER))]
-        return sorted(int(m.group(1)) for m in matches if m)
+        open_ = [n for n in names if not os.path.exists(os.path.join(self.directory, n, COMMIT_MARKER))]
+        return sorted(s for s in map(self.step_of, open_) if s is not None)
 
     def discard_incomplete(self, step: int) -> None:
         """Deletes `step`'s directory, which has no commit marker (e.g. left by pruning a kill interrupted).
@@ -264,7 +266,7 @@ class TensorStoreBackend:
         entries = {e["path"]: e for e in index["arrays"]}
         abstract = _tree.abstract_target(target)
         _tree.check_matches(index["arrays"] + index["empty"], abstract, where, partial=partial)
-        _verify.verify_metadata(index["metadata"], index.get("metadata_crc32"), where, INDEX_FILE)
+        verify.verify_metadata(index["metadata"], index.get("metadata_crc32"), where, INDEX_FILE)
         flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
         leaves = [entries[jax.tree_util.keystr(p)] for p, _ in flat]
         opening = [
@@ -289,7 +291,7 @@ class TensorStoreBackend:
         for entry, (store, pending) in zip(leaves, reads):
             with self._reading(where, entry):
                 got = {index: r.result() for index, r in pending.items()}
-                _verify.verify_pieces(
+                verify.verify_pieces(
                     entry["path"],
                     entry.get("pieces", ()),
                     list(got.items()),
@@ -322,7 +324,7 @@ class TensorStoreBackend:
         except CheckpointError:
             raise
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            why = _verify.cause(e)
+            why = verify.cause(e)
             raise CheckpointError(
                 f"Checkpoint {where} is marked committed but its {INDEX_FILE} is unreadable ({why}); "
                 f"delete {step_dir} to fall back to the previous step.",
@@ -338,7 +340,7 @@ class TensorStoreBackend:
         except CheckpointError:
             raise
         except Exception as e:
-            why = f"{entry['path']} ({ARRAYS_DIR}/{entry['name']}) cannot be read: {_verify.cause(e)}"
+            why = f"{entry['path']} ({ARRAYS_DIR}/{entry['name']}) cannot be read: {verify.cause(e)}"
             raise CheckpointError(f"Checkpoint {where} failed verification: {why}.", reason=why) from None
 
     def close(self) -> None:
@@ -376,10 +378,10 @@ def _snapshot(state: PyTree) -> list[_Leaf]:
                 shard.data.copy_to_host_async()
     leaves, used = [], set()
     for path, x in flat:
-        name = _unique_name(path, used)
+        name = unique_array_name(path, used)
         if isinstance(x, jax.Array):
             shape, dtype = tuple(x.shape), np.dtype(x.dtype)
-            chunk = _chunk_shape(tuple(x.sharding.shard_shape(x.shape)), dtype.itemsize)
+            chunk = chunk_shape(tuple(x.sharding.shard_shape(x.shape)), dtype.itemsize)
             pieces = [
                 (_normalize(s.index, shape), np.asarray(s.data))
                 for s in x.addressable_shards
@@ -388,17 +390,17 @@ def _snapshot(state: PyTree) -> list[_Leaf]:
         else:  # numpy arrays and Python scalars: written by process 0.
             value = np.array(x)
             shape, dtype = value.shape, value.dtype
-            chunk = _chunk_shape(shape, dtype.itemsize)
+            chunk = chunk_shape(shape, dtype.itemsize)
             pieces = [(_normalize((), shape), value)] if jax.process_index() == 0 else []
         leaves.append(_Leaf(jax.tree_util.keystr(path), name, shape, dtype, chunk, pieces))
     return leaves
 
 
-# The array names `_unique_name` makes (dot-joined sanitized keys): never a path separator or "..".
+# The array names `unique_array_name` makes (dot-joined sanitized keys): never a path separator or "..".
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*(-[0-9]+)?")
 
 
-def _unique_name(path: tuple, used: set[str]) -> str:
+def unique_array_name(path: tuple, used: set[str]) -> str:
     """A file-system-safe, unique array name from a tree path."""
     parts = []
     for key in path:
@@ -418,7 +420,7 @@ def _unique_name(path: tuple, used: set[str]) -> str:
     return name
 
 
-def _chunk_shape(shard_shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+def chunk_shape(shard_shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     chunk = [max(1, d) for d in shard_shape]
     while int(np.prod(chunk)) * itemsize > _MAX_CHUNK_BYTES:
         even = [i for i, d in enumerate(chunk) if d % 2 == 0]

@@ -33,9 +33,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from axcore.cli.common import EXIT_USAGE, Parser, add_distributed, add_experiment
+from axcore.cli.common import EXIT_USAGE, Parser, add_distributed
 from axcore.errors import one_line
-from axcore.plugin.commands import BUILTIN_COMMANDS, listed_plugin_commands
+from axcore.plugin.commands import BUILTIN_COMMANDS, add_experiment, listed_plugin_commands
 
 # After Ctrl-C (128 + SIGINT), as shells report it; axcore/trainer/interrupt.py's EXIT_INTERRUPTED.
 EXIT_INTERRUPTED = 130
@@ -92,30 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print instead which kernel each op call of each layer uses for the experiment's instance type "
         "(e.g. --mesh-selector gpu-h100-8) and why the kernels tried before it declined",
     )
-    plugins = sub.add_parser(
-        "plugins",
-        help="list installed plugins",
-        description="List installed plugins: distribution, version, whether the experiment enables them, the "
-        "hooks they implement and the components they register.",
-        epilog="Environment: AXCORE_LOAD_PLUGINS=rope,moe lets only the listed installed plugins load (empty: "
-        "none; others are listed as excluded and may not appear in `plugins:`); AXCORE_DISABLE_PLUGIN_AUTOLOAD=1 "
-        "loads only plugins named explicitly (an experiment's `plugins:`), the way out when a broken plugin "
-        "crashes axcore.",
-    )
-    plugins.add_argument("experiment", nargs="?", help="mark the plugins this experiment enables")
-    plugins.add_argument("--all", action="store_true", help="list the built-in plugins too")
-    plugins.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON object: plugin_api_version, experiment, hook, load_plugins, autoload_disabled, "
-        "plugins (each: name, distribution, version, source, enabled, status, detail, plugin_api, hooks, "
-        "components [{family, kind, name, override}])",
-    )
-    plugins.add_argument(
-        "--hook",
-        metavar="NAME",
-        help="list only the plugins, built-ins included, that implement hook NAME (e.g. axcore_register_layers)",
-    )
+    _add_plugins(sub)
     compile_ = sub.add_parser(
         "compile",
         help="compile the train step ahead of time on abstract inputs (nothing allocated) and report "
@@ -150,6 +127,34 @@ def build_parser() -> argparse.ArgumentParser:
         "written '-', e.g. ./axcore-my-feature for my_feature)",
     )
     return parser
+
+
+def _add_plugins(sub) -> None:
+    """The `plugins` command's arguments."""
+    plugins = sub.add_parser(
+        "plugins",
+        help="list installed plugins",
+        description="List installed plugins: distribution, version, whether the experiment enables them, the "
+        "hooks they implement and the components they register.",
+        epilog="Environment: AXCORE_LOAD_PLUGINS=rope,moe lets only the listed installed plugins load (empty: "
+        "none; others are listed as excluded and may not appear in `plugins:`); AXCORE_DISABLE_PLUGIN_AUTOLOAD=1 "
+        "loads only plugins named explicitly (an experiment's `plugins:`), the way out when a broken plugin "
+        "crashes axcore.",
+    )
+    plugins.add_argument("experiment", nargs="?", help="mark the plugins this experiment enables")
+    plugins.add_argument("--all", action="store_true", help="list the built-in plugins too")
+    plugins.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: plugin_api_version, experiment, hook, load_plugins, autoload_disabled, "
+        "plugins (each: name, distribution, version, source, enabled, status, detail, plugin_api, hooks, "
+        "components [{family, kind, name, override}])",
+    )
+    plugins.add_argument(
+        "--hook",
+        metavar="NAME",
+        help="list only the plugins, built-ins included, that implement hook NAME (e.g. axcore_register_layers)",
+    )
 
 
 def _add_eval(sub) -> None:

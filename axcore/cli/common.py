@@ -1,4 +1,7 @@
-"""What the `axcore` commands share: the one-line parser, the experiment and multi-process arguments.
+"""What the `axcore` commands share: the one-line parser, the multi-process arguments, the run lookup.
+
+The experiment arguments (`add_experiment`, `overrides`) are plugin API and live in
+`axcore.plugin.commands`, which plugins' commands import too.
 
 Only argparse and the standard library are imported here, so `axcore --help` stays cheap.
 """
@@ -16,28 +19,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"axcore: error: {message} (see '{self.prog} --help')\n")
 
 
-def add_experiment(parser: argparse.ArgumentParser, *, required: bool) -> None:
-    parser.add_argument(
-        "experiment",
-        nargs=None if required else "?",
-        help="experiment YAML file or built-in experiment name" + ("" if required else " (default: default)"),
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="PATH=VALUE",
-        help="override a config value, e.g. --set trainer.max_steps=50 (repeatable; YAML-typed)",
-    )
-    parser.add_argument(
-        "--mesh-selector",
-        metavar="INSTANCE_TYPE",
-        help="lay the run out for this instance type (e.g. gpu-h100-8, tpu-v5p-64) instead of the detected "
-        "one; its hardware plugin is loaded if installed (same as --set mesh.instance_type=...)",
-    )
-
-
 def add_distributed(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "multi-process", "join a multi-process job (all three; or AXCORE_COORDINATOR_ADDRESS, "
@@ -46,12 +27,6 @@ def add_distributed(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
     group.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
     group.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 .. N-1")
-
-
-def overrides(args) -> list[str]:
-    """The `--set` overrides, with `--mesh-selector` as `mesh.instance_type`."""
-    selector = getattr(args, "mesh_selector", None)
-    return [*args.overrides, *([f"mesh.instance_type={selector}"] if selector else [])]
 
 
 def _expanded(path: str) -> list[str]:

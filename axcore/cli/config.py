@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from axcore.cli.common import overrides
 from axcore.errors import one_line
+from axcore.plugin.commands import overrides
 
 
 def run(args) -> int:
@@ -35,9 +35,9 @@ def run(args) -> int:
 def data_check(experiment) -> str:
     """"ok", or the one-line error of the input sources' cheap checks (paths exist, shard indexes and their
     tokenizer match; `InputConfig.check`), naming the config path such as input.source.paths[0], and of
-    the eval split (`axcore.trainer.evaluate.check_evaluable`: evaluations would find held-out documents)."""
+    the eval split (`axcore.placement.evaluate.check_evaluable`: evaluations would find held-out documents)."""
     from axcore.errors import AxcoreError
-    from axcore.trainer.evaluate import check_evaluable
+    from axcore.placement.evaluate import check_evaluable
 
     config = experiment.config
     try:

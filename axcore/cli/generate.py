@@ -85,7 +85,7 @@ def _conversations(args: argparse.Namespace) -> list[tuple[str, list[dict]]]:
     return conversations
 
 
-def _chat_template(args: argparse.Namespace, experiment, tokenizer):
+def chat_template(args: argparse.Namespace, experiment, tokenizer):
     """The template the run trained with (its chat source's), else the tokenizer's; GenerateError if it has none."""
     from axcore.data.chat import ChatTemplate
 
@@ -125,6 +125,28 @@ def _marker_stop(tokenizer, marker: str) -> list[int]:
     return ids if len(ids) == 1 else []
 
 
+def _print_outputs(args, conversations, prompts, outputs, tokenizer, stops: list[int], marker: str) -> None:
+    """Prints each prompt's continuation (a chat: its reply), as text or one JSON object a line (`--json`).
+
+    `outputs[i]` is the generated token ids (int array `[n_i]`) of `prompts[i]`; with
+    `conversations`, `conversations[i]` is its `(where, messages)`.
+    """
+    for i, (prompt, tokens) in enumerate(zip(prompts, outputs)):
+        if conversations:
+            reply, ended = _reply(tokenizer, tokens, stops, marker)
+            if args.json:
+                print(json.dumps({"messages": conversations[i][1], "prompt": prompt, "reply": reply,
+                                  "tokens": tokens.tolist(), "ended": ended}))
+            else:
+                print(reply)
+            continue
+        text = tokenizer.decode(tokens)
+        if args.json:
+            print(json.dumps({"prompt": prompt, "completion": text, "tokens": tokens.tolist()}))
+        else:
+            print(prompt + text)
+
+
 def run(args: argparse.Namespace) -> int:
     """Loads the run, generates, prints each prompt with its continuation; returns 0."""
     args.run = one_run(args)
@@ -132,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from axcore.generation import Generator, Sampling
-    from axcore.inference.run_loading import load_model_and_step
+    from axcore.inference.run_loading import load_model_and_placement
 
     conversations = _conversations(args)
     prompts = [] if conversations else _prompts(args)
@@ -147,9 +169,10 @@ def run(args: argparse.Namespace) -> int:
         from axcore.inference.run_loading import load_run_experiment
 
         experiment, _ = load_run_experiment(args.run, args.overrides, objects=args.objects)
-        template = _chat_template(args, experiment, experiment.config.tokenizer.instantiate())
-    loaded, step = load_model_and_step(args.run, step=args.step, overrides=args.overrides, objects=args.objects)
-    tokenizer = step.tokenizer
+        template = chat_template(args, experiment, experiment.config.tokenizer.instantiate())
+    loaded, placement = load_model_and_placement(args.run, step=args.step, overrides=args.overrides,
+                                                 objects=args.objects)
+    tokenizer = placement.tokenizer
     vocab = loaded.experiment.config.model.vocab_size
     bad = [t for t in args.stop_token if not 0 <= t < vocab]
     if bad:
@@ -182,23 +205,10 @@ def run(args: argparse.Namespace) -> int:
             f"embedding's max_len); shorten the prompt or generate fewer tokens."
         )
     started = time.perf_counter()
-    with step.op_environment():
+    with placement.op_environment():
         outputs = generator(loaded.params, encoded, jax.random.key(args.seed))
     elapsed = time.perf_counter() - started
-    for i, (prompt, tokens) in enumerate(zip(prompts, outputs)):
-        if conversations:
-            reply, ended = _reply(tokenizer, tokens, stops, marker)
-            if args.json:
-                print(json.dumps({"messages": conversations[i][1], "prompt": prompt, "reply": reply,
-                                  "tokens": tokens.tolist(), "ended": ended}))
-            else:
-                print(reply)
-            continue
-        text = tokenizer.decode(tokens)
-        if args.json:
-            print(json.dumps({"prompt": prompt, "completion": text, "tokens": tokens.tolist()}))
-        else:
-            print(prompt + text)
+    _print_outputs(args, conversations, prompts, outputs, tokenizer, stops, marker)
     total = sum(len(t) for t in outputs)
     sys.stdout.flush()
     print(

@@ -14,21 +14,22 @@ from typing import Any
 from packaging.utils import canonicalize_name
 
 from axcore.errors import PluginError, did_you_mean, one_line
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.plugin import hookspecs
 from axcore.plugin.loading import (
     API_REQUIREMENT_ATTRIBUTE,
     DISABLE_AUTOLOAD_ENV,
     LOAD_PLUGINS_ENV,
+    AxcorePluginManager,
     Component,
     PluginRequest,
     UnknownHookError,
-    _allowed,
-    _dist_of,
-    _load_entry_point,
-    _scanned_entry_points,
+    allowed_to_load,
     autoload_disabled,
-    create_plugin_manager,
+    distribution_of,
+    installed_plugins,
     load_allow_list,
+    load_plugin,
 )
 
 # Keys of one plugin in `axcore plugins --json` (`PluginDescription.to_json`).
@@ -67,6 +68,10 @@ class PluginDescription:
         return data
 
 
+# One plugin before it is described: (name, distribution, version, source, status, detail).
+_Entry = tuple[str, str, str, str, str, str]
+
+
 def describe_plugins(
     enabled: Sequence[str] = (), *, objects: Mapping[str, Any] | None = None, hook: str | None = None
 ) -> list[PluginDescription]:
@@ -85,10 +90,24 @@ def describe_plugins(
         UnknownHookError: `hook` is not a hook (the message suggests the closest).
     """
     wanted = {canonicalize_name(PluginRequest.parse(p).name) for p in enabled}
-    objects = dict(objects or {})
     manager = create_plugin_manager()
-    # (name, distribution, version, source, status, detail); registered ones are described below.
-    entries: list[tuple[str, str, str, str, str, str]] = [
+    entries = _register_all(manager, dict(objects or {}), wanted)
+    specs = set(manager.hookspec_names())
+    if hook is not None and hook not in specs:
+        raise UnknownHookError(
+            f"No hook named '{hook}'{did_you_mean(hook, specs)}; hooks: {', '.join(sorted(specs))}."
+        )
+    out = []
+    for entry in entries:
+        description = _describe(manager, entry, specs, wanted, hook)
+        if description is not None:
+            out.append(description)
+    return out
+
+
+def _register_all(manager: AxcorePluginManager, objects: dict[str, Any], wanted: set[str]) -> list[_Entry]:
+    """The built-ins, `objects` and every installed plugin, each registered (not enabled) where it can be."""
+    entries: list[_Entry] = [
         (info.name, info.distribution, info.version, info.source, "ok", "") for info in manager.plugins
     ]
 
@@ -101,56 +120,49 @@ def describe_plugins(
 
     for name, plugin in objects.items():
         entries.append((name, "<local>", "0", "object", *register(plugin, name, "<local>", "0", "object")))
-    allowed = load_allow_list()
-    for name, eps in sorted(_scanned_entry_points().items()):
+    for name, eps in sorted(installed_plugins().items()):
         if name in objects:
             continue
-        dist, version = _dist_of(eps[0])
-        if not _allowed(name, allowed):
+        dist, version = distribution_of(eps[0])
+        if not allowed_to_load(name):
             status, detail = "excluded", f"{LOAD_PLUGINS_ENV} leaves it out"
         elif autoload_disabled() and canonicalize_name(name) not in wanted:
             status, detail = "not-imported", f"{DISABLE_AUTOLOAD_ENV} is set"
         else:
             try:
-                plugin, dist, version = _load_entry_point(name, eps)
+                plugin, dist, version = load_plugin(name, eps)
             except PluginError as e:
                 status, detail = "broken", one_line(e)
             else:
                 status, detail = register(plugin, name, dist, version, "entry-point")
         entries.append((name, dist, version, "entry-point", status, detail))
+    return entries
 
-    specs = set(manager.hookspec_names())
-    if hook is not None and hook not in specs:
-        raise UnknownHookError(
-            f"No hook named '{hook}'{did_you_mean(hook, specs)}; hooks: {', '.join(sorted(specs))}."
-        )
-    out = []
-    for name, dist, version, source, status, detail in entries:
-        is_enabled = source == "builtin" or (status != "excluded" and canonicalize_name(name) in wanted)
-        if status != "ok" or name not in manager._infos:
-            if hook is None:
-                out.append(PluginDescription(name, dist, version, source, is_enabled, status, detail))
-            continue
-        hooks = tuple(manager.hooks_of(name))
-        if hook is not None and hook not in hooks:
-            continue
-        unknown = [h for h in hooks if h not in specs]
-        components: tuple[Component, ...] = ()
-        if unknown:
-            status, detail = "broken", f"implements {', '.join(unknown)}, which no hookspec declares"
-        else:
-            try:
-                components = tuple(manager.components_of(name))
-            except PluginError as e:
-                status, detail = "broken", one_line(e)
-        api = getattr(manager._infos[name].plugin, API_REQUIREMENT_ATTRIBUTE, None)
-        out.append(
-            PluginDescription(
-                name, dist, version, source, is_enabled, status, detail, None if api is None else str(api), hooks,
-                components,
-            )
-        )
-    return out
+
+def _describe(
+    manager: AxcorePluginManager, entry: _Entry, specs: set[str], wanted: set[str], hook: str | None
+) -> PluginDescription | None:
+    """One entry's description with its hooks and components; None when `hook` is asked and it lacks it."""
+    name, dist, version, source, status, detail = entry
+    is_enabled = source == "builtin" or (status != "excluded" and canonicalize_name(name) in wanted)
+    if status != "ok" or not manager.is_registered(name):
+        return PluginDescription(name, dist, version, source, is_enabled, status, detail) if hook is None else None
+    hooks = tuple(manager.hooks_of(name))
+    if hook is not None and hook not in hooks:
+        return None
+    unknown = [h for h in hooks if h not in specs]
+    components: tuple[Component, ...] = ()
+    if unknown:
+        status, detail = "broken", f"implements {', '.join(unknown)}, which no hookspec declares"
+    else:
+        try:
+            components = tuple(manager.components_of(name))
+        except PluginError as e:
+            status, detail = "broken", one_line(e)
+    api = getattr(manager.info(name).plugin, API_REQUIREMENT_ATTRIBUTE, None)
+    return PluginDescription(
+        name, dist, version, source, is_enabled, status, detail, None if api is None else str(api), hooks, components
+    )
 
 
 def plugins_json(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from axcore.cli.common import overrides
+from axcore.plugin.commands import overrides
 
 
 def run(args) -> int:

@@ -121,7 +121,7 @@ def setting_problems(root: ConfigBase, section: str) -> list[str]:
         types_ = type(cfg).field_types()
         for name, value in cfg.items():
             where = f"{path}.{name}"
-            for c in _split(types_[name])[1]:
+            for c in split_constraints(types_[name])[1]:
                 limit = setting(c.setting) if isinstance(c, AtLeastSetting) else None
                 if isinstance(value, int) and isinstance(limit, int) and value < limit:
                     problems.append(
@@ -288,7 +288,7 @@ Floating = _Floating()
 _INT64 = (-(2**63), 2**63 - 1)
 
 
-def _split(tp: Any) -> tuple[Any, tuple[Constraint, ...]]:
+def split_constraints(tp: Any) -> tuple[Any, tuple[Constraint, ...]]:
     """`Annotated[T, c...]` -> `(T, (c...))`; other annotations -> `(tp, ())`."""
     if typing.get_origin(tp) is typing.Annotated:
         base, *meta = typing.get_args(tp)
@@ -298,7 +298,7 @@ def _split(tp: Any) -> tuple[Any, tuple[Constraint, ...]]:
 
 def strip_constraints(tp: Any) -> Any:
     """The annotation without its `Annotated` constraints (what assignment checks)."""
-    return _split(tp)[0]
+    return split_constraints(tp)[0]
 
 
 def _shown(value: Any) -> str:
@@ -310,7 +310,7 @@ def _shown(value: Any) -> str:
 def _value_problems(value: Any, tp: Any, path: str, sizes_only: bool = False) -> Iterator[str]:
     """Problems of `value` under annotation `tp` (constraints, finiteness, the int64 range), descending
     into containers; with `sizes_only`, only `Size` constraints and the int64 range."""
-    tp, constraints = _split(tp)
+    tp, constraints = split_constraints(tp)
     if value is REQUIRED or value is None or isinstance(value, ConfigBase):
         return
     past_int64 = isinstance(value, int) and not isinstance(value, bool) and not _INT64[0] <= value <= _INT64[1]
@@ -407,7 +407,7 @@ def config_warnings(cfg: ConfigBase, path: str = "") -> list[str]:
     prefix = f"{path}." if path else ""
     for name, value in cfg.items():
         where = f"{prefix}{name}"
-        for constraint in _split(strip_optional(types_[name]))[1]:
+        for constraint in split_constraints(strip_optional(types_[name]))[1]:
             text = None if value is None or value is REQUIRED else constraint.warning(value)
             if text:
                 warnings.append(f"'{where}' {text}.")

@@ -5,9 +5,7 @@ The pipeline's names (`InputConfig`, `InputPipeline`, `MixtureComponent`, `Packi
 which `import axcore.data.tokenizer` (the hookspecs, `axcore plugins`) does not need.
 """
 
-import importlib
-from typing import Any
-
+from axcore._lazy import lazy_exports
 from axcore.data.errors import DataError
 from axcore.data.schema import BATCH_SCHEMA, PAD_LABEL, BatchField, BatchSchema
 from axcore.data.sources import (
@@ -29,7 +27,7 @@ from axcore.data.sources import (
 )
 from axcore.data.tokenizer import ByteTokenizer, Tokenizer
 
-# Name -> the module that defines it, imported by `__getattr__` on first use.
+# Name -> the module that defines it, imported on first use.
 _LAZY = {
     "InputConfig": "axcore.data.pipeline",
     "InputPipeline": "axcore.data.pipeline",
@@ -37,13 +35,7 @@ _LAZY = {
     "LongDocuments": "axcore.data.packing",
     "Packing": "axcore.data.packing",
 }
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'axcore.data' has no attribute '{name}'")
-
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
 
 __all__ = [
     "BATCH_SCHEMA",

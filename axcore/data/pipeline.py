@@ -134,7 +134,7 @@ class InputConfig(ConfigBase):
 
         `component`: the rows of that mixture component alone, exactly the pipeline of an
         input whose `source` is that component's (how a mixture is evaluated,
-        `axcore.trainer.evaluate`); None: all components, mixed.
+        `axcore.placement.evaluate`); None: all components, mixed.
 
         `tokenizer` tokenizes text sources and is checked against prepared shards' (None:
         bytes, unchecked); `vocab_size`: token ids are checked against it per document.

@@ -50,14 +50,11 @@ from axcore.data.readers import (
 )
 from axcore.data.shards import (
     INDEX_FILE,
-    PREPARE_FILE,
-    foreign_entries,
+    claim_output_directory,
     read_done,
-    remove_temporary_files,
     shard_name,
     token_dtype,
     write_index,
-    write_json_atomically,
     write_shard,
 )
 
@@ -318,46 +315,6 @@ def _one_thread_tokenizers() -> Iterator[None]:
 # -- The command's work ---------------------------------------------------------------------
 
 
-def _claim_directory(output: str, run: dict) -> bool:
-    """Makes `output` ready for this run; True when it already holds the finished dataset of this run.
-
-    Raises:
-        DataError: `output` is a file, holds other files, or was prepared with other arguments.
-    """
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise DataError(f"--output '{output}' is a file; name a new or empty directory.")
-    os.makedirs(output, exist_ok=True)
-    foreign = foreign_entries(output)
-    if foreign:
-        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-        raise DataError(
-            f"--output '{output}' holds other files ({', '.join(foreign[:3])}{more}); "
-            f"name a new or empty directory (prepare writes only its shards there)."
-        )
-    prepare_path = os.path.join(output, PREPARE_FILE)
-    if os.path.exists(prepare_path):
-        try:
-            with open(prepare_path, encoding="utf-8") as f:
-                previous = json.load(f)
-        except (OSError, ValueError):
-            previous = {}
-        if previous != run:
-            keys = sorted(k for k in set(run) | set(previous or {}) if (previous or {}).get(k) != run.get(k))
-            raise DataError(
-                f"--output '{output}' was prepared with different {', '.join(keys) or 'arguments'}; repeat that run's "
-                f"arguments to resume it, or name a new (or emptied) directory."
-            )
-        remove_temporary_files(output)
-        return os.path.exists(os.path.join(output, INDEX_FILE))
-    if os.listdir(output):
-        raise DataError(
-            f"--output '{output}' holds shards without {PREPARE_FILE} (from another tool or version); "
-            f"name a new or empty directory."
-        )
-    write_json_atomically(prepare_path, run)
-    return False
-
-
 def prepare(
     inputs: Sequence[str],
     output: str,
@@ -394,27 +351,12 @@ def prepare(
             something else or another run (one line each).
     """
     from axcore.data.shards import PreparedShards
-    from axcore.data.tokenizer import ByteTokenizer
 
-    if format not in FORMATS:
-        raise DataError(f"--format {format!r} is not one of {', '.join(FORMATS)}.")
-    if not shard_size_mb > 0:
-        raise DataError(f"--shard-size-mb must be positive, got {shard_size_mb}.")
-    if workers is not None and workers < 1:
-        raise DataError(f"--workers must be at least 1, got {workers}.")
+    _check_arguments(format, shard_size_mb, workers)
     field = field or DEFAULT_FIELD[format]
     files = [os.path.abspath(f) for f in expand_paths(inputs, "INPUT", suffixes=SUFFIXES[format])]
-    tokenizer_config = tokenizer if tokenizer is not None else ByteTokenizer.default_config()
-    built = tokenizer_config.instantiate()
-    fingerprint = built.fingerprint()
-    dtype = token_dtype(built.vocab_size)
-    spec = PrepareSpec(format, field, tokenizer_config, dtype.name, int(built.vocab_size), chat_template, train_on)
-    chat = None
-    if format == "chat":
-        from axcore.data.chat import ChatTemplate, TrainOn
-
-        template = ChatTemplate.for_tokenizer(built, chat_template, field="--chat-template")
-        chat = {"template_sha256": template.sha256, "train_on": TrainOn(train_on).value}
+    built, spec, chat = _spec(format, field, tokenizer, chat_template, train_on)
+    fingerprint, dtype = built.fingerprint(), np.dtype(spec.dtype)
     units = plan_units(files, format, field, max(int(shard_size_mb * (1 << 20)), 1))
     if not units:
         raise DataError(f"The inputs ({len(files)} files) hold no documents; give files with text in them.")
@@ -425,33 +367,17 @@ def prepare(
     }))
     output = os.path.abspath(os.path.expanduser(output))
     progress = Progress(stream, sum(u["bytes"] for u in units), len(units))
-    if _claim_directory(output, run):
+    if claim_output_directory(output, run):
         if verify:
             progress.say(f"{output} is already prepared from these inputs; verifying its files (sha256)...")
             PreparedShards(output, field="--output").verify()
         with open(os.path.join(output, INDEX_FILE), encoding="utf-8") as f:
             return json.load(f)
-    records: dict[int, dict] = {}
-    pending = []
-    for i, unit in enumerate(units):
-        record = read_done(output, shard_name(i), unit)
-        if record is None:
-            pending.append((i, unit))
-        else:
-            records[i] = record
-            progress.skipped(record, unit["bytes"])
+    records, pending = _resumed(output, units, progress)
     count = min(workers or os.cpu_count() or 1, len(pending))
     progress.say(f"{len(files)} files, {progress.total_bytes / 1e6:.1f} MB in {len(units)} shards ({len(units) - len(pending)}"
                  f" done before), tokenizer {type(built).__name__}, {max(count, 1)} worker{'s' * (count > 1)}")
-    if count <= 1:
-        with _one_thread_tokenizers():
-            tok, template = _build(spec)
-            for i, unit in pending:
-                records[i] = process_unit(output, i, unit, spec, tok, template, _reporter(progress))
-                progress.done_shards += 1
-                progress.show()
-    elif pending:
-        _run_pool(output, pending, spec, count, progress, records)
+    _process(output, pending, spec, count, progress, records)
     progress.show(final=True)
     ordered = [records[i] for i in range(len(units))]
     if not sum(r["documents"] for r in ordered):
@@ -465,6 +391,62 @@ def prepare(
         progress.say(f"verifying the {len(units)} shards and the index (sha256)...")
         PreparedShards(output, field="--output").verify()
     return index
+
+
+def _check_arguments(format: str, shard_size_mb: float, workers: int | None) -> None:
+    """DataError (one line naming the flag) for an unknown format, a non-positive shard size or worker count."""
+    if format not in FORMATS:
+        raise DataError(f"--format {format!r} is not one of {', '.join(FORMATS)}.")
+    if not shard_size_mb > 0:
+        raise DataError(f"--shard-size-mb must be positive, got {shard_size_mb}.")
+    if workers is not None and workers < 1:
+        raise DataError(f"--workers must be at least 1, got {workers}.")
+
+
+def _spec(format: str, field: str, tokenizer: Any, chat_template: str | None, train_on: str):
+    """`(tokenizer, spec, chat)`: the built tokenizer, the workers' PrepareSpec, and for chat data the
+    template's sha256 and `train_on` as index.json records them (None otherwise)."""
+    from axcore.data.tokenizer import ByteTokenizer
+
+    tokenizer_config = tokenizer if tokenizer is not None else ByteTokenizer.default_config()
+    built = tokenizer_config.instantiate()
+    dtype = token_dtype(built.vocab_size)
+    spec = PrepareSpec(format, field, tokenizer_config, dtype.name, int(built.vocab_size), chat_template, train_on)
+    chat = None
+    if format == "chat":
+        from axcore.data.chat import ChatTemplate, TrainOn
+
+        template = ChatTemplate.for_tokenizer(built, chat_template, field="--chat-template")
+        chat = {"template_sha256": template.sha256, "train_on": TrainOn(train_on).value}
+    return built, spec, chat
+
+
+def _resumed(output: str, units: list[dict], progress: Progress) -> tuple[dict[int, dict], list[tuple[int, dict]]]:
+    """`(records, pending)`: the records of the units a previous run finished (by unit index) and the rest."""
+    records: dict[int, dict] = {}
+    pending = []
+    for i, unit in enumerate(units):
+        record = read_done(output, shard_name(i), unit)
+        if record is None:
+            pending.append((i, unit))
+        else:
+            records[i] = record
+            progress.skipped(record, unit["bytes"])
+    return records, pending
+
+
+def _process(output: str, pending: list, spec: PrepareSpec, count: int, progress: Progress, records: dict) -> None:
+    """Tokenizes the `pending` units into `records` (by unit index): in this process when `count` <= 1,
+    else in a pool of `count` workers."""
+    if count <= 1:
+        with _one_thread_tokenizers():
+            tok, template = _build(spec)
+            for i, unit in pending:
+                records[i] = process_unit(output, i, unit, spec, tok, template, _reporter(progress))
+                progress.done_shards += 1
+                progress.show()
+    elif pending:
+        _run_pool(output, pending, spec, count, progress, records)
 
 
 def _reporter(progress: Progress) -> Callable[[int, int, int], None]:

@@ -20,7 +20,7 @@ shard). So a killed writer never leaves anything that looks finished.
 shard's arrays only when a document of it is read; nothing is hashed at open. Before
 a shard's first document is returned, its files' sha256 must have matched index.json:
 they are hashed once, in background threads that start at the first read and go on
-through the other shards (`axcore.data._shard_hashes`), so a flipped byte stops the
+through the other shards (`axcore.data.shard_hashes`), so a flipped byte stops the
 first read of its shard with one DataError naming the file, and no document of a
 corrupt shard is ever used. `verify()` hashes everything at once, on request.
 """
@@ -36,8 +36,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from axcore.data._shard_hashes import ShardHashes, file_sha256
 from axcore.data.errors import DataError
+from axcore.data.shard_hashes import ShardHashes, file_sha256
 
 # The value of index.json's "format"; a reader refuses any other.
 SHARDS_FORMAT = "axcore.shards/1"
@@ -429,3 +429,44 @@ class PreparedShards:
                     f"{self._field} '{self.path}': shard {self._names[shard]} holds token id "
                     f"{int(arrays['tokens'].max())} >= the tokenizer's vocab size {vocab}."
                 )
+
+
+def claim_output_directory(output: str, run: dict) -> bool:
+    """Makes `output` ready for a prepare run (`run`: its arguments, saved as PREPARE_FILE); True when it
+    already holds the finished dataset of this run.
+
+    Raises:
+        DataError: `output` is a file, holds other files, or was prepared with other arguments.
+    """
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise DataError(f"--output '{output}' is a file; name a new or empty directory.")
+    os.makedirs(output, exist_ok=True)
+    foreign = foreign_entries(output)
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise DataError(
+            f"--output '{output}' holds other files ({', '.join(foreign[:3])}{more}); "
+            f"name a new or empty directory (prepare writes only its shards there)."
+        )
+    prepare_path = os.path.join(output, PREPARE_FILE)
+    if os.path.exists(prepare_path):
+        try:
+            with open(prepare_path, encoding="utf-8") as f:
+                previous = json.load(f)
+        except (OSError, ValueError):
+            previous = {}
+        if previous != run:
+            keys = sorted(k for k in set(run) | set(previous or {}) if (previous or {}).get(k) != run.get(k))
+            raise DataError(
+                f"--output '{output}' was prepared with different {', '.join(keys) or 'arguments'}; repeat that run's "
+                f"arguments to resume it, or name a new (or emptied) directory."
+            )
+        remove_temporary_files(output)
+        return os.path.exists(os.path.join(output, INDEX_FILE))
+    if os.listdir(output):
+        raise DataError(
+            f"--output '{output}' holds shards without {PREPARE_FILE} (from another tool or version); "
+            f"name a new or empty directory."
+        )
+    write_json_atomically(prepare_path, run)
+    return False

@@ -7,34 +7,17 @@ the transforms), the saved-config marker (`saved`), the mesh layout from the mat
 mesh rule (`mesh`) with its config modifiers (`config_modifiers`), and validation
 (`validation`). It may import the plugin kernel (`plugin/`), the trainer's config and
 every component package below them; never `inference/`, `testing/`, `tools/` or `cli/`.
-`axcore.experiment.load_experiment` and the other names of `loading` are re-exported
-lazily, so importing one module of this package stays cheap.
+It owns the list of built-in plugins too (`builtins`: `create_plugin_manager`, which is
+`axcore.create_plugin_manager`). `axcore.experiment.load_experiment` and the other names
+of `loading` and `builtins` are re-exported lazily, so importing one module of this
+package stays cheap.
 """
 
 from __future__ import annotations
 
-from axcore._lazy import lazy_exports
+from axcore._lazy import lazy_exports, module_exports
 
-_WHERE = {
-    name: "axcore.experiment.loading"
-    for name in (
-        "RESOLVED_KEY",
-        "Experiment",
-        "ExperimentConfig",
-        "MeshConfig",
-        "MeshRuleConfig",
-        "SearchResult",
-        "builtin_experiments",
-        "check_experiment_config",
-        "default_model",
-        "layout_mesh",
-        "load_experiment",
-        "local_mesh_rules",
-        "read_experiment_file",
-        "resolve_experiment_xla_flags",
-        "search_plugins",
-    )
-}
+_WHERE = module_exports(globals(), ["loading", "builtins"])
 __all__ = sorted(_WHERE)
 
 __getattr__, __dir__ = lazy_exports(globals(), _WHERE)

@@ -19,8 +19,10 @@ from typing import Any
 from axcore.config.safe_yaml import read_file as read_yaml_file
 from axcore.config.serialize import safe_load
 from axcore.errors import ConfigError, PluginError, UnknownComponentError, did_you_mean
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.experiments import experiment_text
-from axcore.plugin.loading import BUILTIN_DISTRIBUTION, autoload_disabled, create_plugin_manager, installed_entry_points
+from axcore.placement.layout import CONFIG_FILE
+from axcore.plugin.loading import BUILTIN_DISTRIBUTION, autoload_disabled, installed_entry_points
 from axcore.plugin.requests import PluginRequest
 from axcore.registry import Registration, Registry
 
@@ -177,7 +179,7 @@ def merge_onto_base_run(raw: dict, base: str, label: str, *, drop: Sequence[str]
             naming `label` and `init_from`.
     """
     directory = os.path.expanduser(os.fspath(base))
-    for file_name in ("experiment.yaml", "config.yaml"):
+    for file_name in ("experiment.yaml", CONFIG_FILE):
         path = os.path.join(directory, file_name)
         if os.path.isfile(path):
             break

@@ -7,7 +7,7 @@ An experiment file is merged onto the built-in default experiment:
     model: {num_layers: 2}
     trainer: {max_steps: 50}
 
-Resolution (DESIGN.md, "How an experiment becomes a running program"): read YAML
+Resolution (docs/architecture.md, "One `axcore train`", steps 2 to 5): read YAML
 with a safe loader and apply `--set` overrides; build the plugin manager; build the
 typed tree; run the enabled plugins' config transforms in `plugins:` order; then
 the first matching mesh rule fills the mesh and applies its config modifiers.
@@ -17,10 +17,8 @@ Saved runs load as they ran: `Experiment.save(run_dir)` writes the resolved conf
 under a `resolved_by` marker, and loading it skips the transforms and the mesh rule's
 modifiers (`axcore.experiment.saved`).
 
-The experiment layer's other modules, re-exported here: `axcore.experiment.schema`
-(`ExperimentConfig` and its parts), `axcore.experiment.files` (finding and reading
-experiment files), `axcore.experiment.mesh` (mesh layout), `axcore.experiment.saved`
-(the saved-config marker).
+Re-exported here: `axcore.experiment.schema` (`ExperimentConfig` and its parts), `axcore.experiment.files`
+(finding and reading experiment files), `axcore.experiment.mesh` (mesh layout), `axcore.experiment.saved`.
 """
 
 from __future__ import annotations
@@ -39,6 +37,7 @@ from axcore.config import ConfigBase, dump_flat, from_dict, parse_override, rais
 from axcore.config.serialize import flatten, format_value, nest_path, to_dict
 from axcore.data.schema import BATCH_SCHEMA
 from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.experiment.files import (
     SearchResult,
     builtin_experiments,
@@ -65,6 +64,7 @@ from axcore.kernels import (
     record_kernel_decisions,
 )
 from axcore.module import deep_merge, functional
+from axcore.placement.layout import CONFIG_TEXT_FILE, config_path
 from axcore.platform.distributed import DistributedSettings, initialize_distributed
 from axcore.platform.mesh import instance_platform
 from axcore.platform.xla_flags import (
@@ -74,7 +74,7 @@ from axcore.platform.xla_flags import (
     format_xla_flags,
     resolve_xla_flags,
 )
-from axcore.plugin.loading import AxcorePluginManager, PluginRequest, create_plugin_manager, probe_instance_type
+from axcore.plugin.loading import AxcorePluginManager, PluginRequest, probe_instance_type
 
 __all__ = [
     "RESOLVED_KEY",
@@ -186,8 +186,8 @@ class Experiment:
         run_dir = pathlib.Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         text = yaml.safe_dump(self.resolved_dict(), sort_keys=False)
-        (run_dir / "config.yaml").write_text(text, "utf-8")
-        (run_dir / "config.txt").write_text(self.flat(), "utf-8")
+        config_path(run_dir).write_text(text, "utf-8")
+        (run_dir / CONFIG_TEXT_FILE).write_text(self.flat(), "utf-8")
 
 
 def load_experiment(

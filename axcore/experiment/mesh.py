@@ -1,8 +1,8 @@
 """Mesh layout of an experiment: its mesh rule selected, `mesh.*` filled, the rule's config modifiers run.
 
-`layout_mesh` is step "mesh rules" of DESIGN.md's "How an experiment becomes a
-running program": the experiment's own `mesh_rules:` (checked by `local_mesh_rules`)
-and the registered rules are matched against `mesh.instance_type` by the precedence
+`layout_mesh` is step 5 of docs/architecture.md's "One `axcore train`" (docs/scaling.md,
+"Mesh rules and config modifiers"): the experiment's own `mesh_rules:` (checked by
+`local_mesh_rules`) and the registered rules are matched against `mesh.instance_type` by the precedence
 in `axcore.platform.mesh`; mesh fields the experiment set itself win over the rule and its
 modifiers.
 

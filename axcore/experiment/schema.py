@@ -1,7 +1,7 @@
 """The experiment schema: `ExperimentConfig`, the typed root of every experiment file.
 
 Each field is a top-level key of an experiment file (docs/experiments.md is generated
-from these classes' field comments by `axcore.tools.experiment_reference`). Loading a file
+from these classes' field comments by `axcore_devtools.experiment_reference`). Loading a file
 into this tree is `axcore.experiment.loading.load_experiment`'s job; this module only declares
 it, plus the checks of components the registries must know (`check_experiment_config`).
 

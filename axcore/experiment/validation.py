@@ -278,7 +278,7 @@ def _tokenizer_problem(config: Any) -> str | None:
 
 def _dry_build(config: Any, registries: Any) -> str | None:
     """Builds the model and its parameter shapes (nothing allocated, JAX's backend not started);
-    returns why its parameters cannot be held (`_parameter_bytes_problem`), or None.
+    returns why its parameters cannot be held (`parameter_bytes_problem`), or None.
 
     The op environment names the experiment's platform (from its instance type), so
     kernels asked about the problems of parameters (e.g. a kernel's state) answer for it.
@@ -289,10 +289,10 @@ def _dry_build(config: Any, registries: Any) -> str | None:
     platform = instance_platform(instance_type)
     with op_environment(None, config.mesh.axis_rules, platform=platform, instance_type=instance_type, stand_in=False):
         specs = config.model.instantiate(name="model", registries=registries).parameter_specs()
-    return _parameter_bytes_problem(specs)
+    return parameter_bytes_problem(specs)
 
 
-def _parameter_bytes_problem(specs: Any) -> str | None:
+def parameter_bytes_problem(specs: Any) -> str | None:
     """Why the parameters of `specs` (shapes and dtypes) cannot be held at all, or None.
 
     Counted in Python ints, which never overflow: every array's bytes and their sum must

@@ -2,9 +2,11 @@
 
 It owns loading a run's saved, resolved config and a step's parameters through the
 run's checkpoint backend (`run_loading`: `load_model`, `save_model`), and held-out
-evaluation of a run (`evaluation`: `evaluate_run`, through the train step's own eval
-step). It may import `experiment/`, `trainer/`, `checkpoint/`, `data/`, `platform/`
-and everything below them; only `cli/` and `tools/` import it. The names below are
+evaluation of a run (`evaluation`: `evaluate_run`, through the objective's eval step on
+the run's placement, as the trainer evaluates). It builds an `axcore.placement.Placement`,
+never a train step, learner or optimizer state: it may import `experiment/`,
+`placement/`, `checkpoint/`, `data/`, `platform/` and everything below them, but nothing
+from `trainer/` (an import-linter contract of its own); only `cli/` and `tools/` import it. The names below are
 re-exported lazily, so importing this package does not import JAX.
 """
 

@@ -4,12 +4,13 @@
     print(result.loss, result.perplexity)   # nats per token, exp(loss)
 
 The model is loaded with `axcore.inference.run_loading` (its run's experiment, the step's
-parameters on the experiment's mesh), and the evaluation is the trainer's own
-(`TrainStep.evaluate`, `axcore.trainer.evaluate`): each batch goes through the train
-step object's jitted eval step (`TrainStep.compiled_eval_step`), the weighted cross-entropy and the weights are summed on the device
+parameters on the experiment's mesh, through its `Placement`: no learner or optimizer state
+is built), and the evaluation is the trainer's own (`axcore.placement.evaluate.Evaluator`,
+which the train step holds too): each batch goes through the objective's jitted eval step
+(`Evaluator.compiled_eval_step`), the weighted cross-entropy and the weights are summed on the device
 and fetched once, and the loss is their ratio (nats per weighted target token). A line
 on stderr says what is evaluated, and a long evaluation prints a progress line every
-few seconds (`axcore.trainer.evaluate.EvalProgress`).
+few seconds (`axcore.placement.evaluate.EvalProgress`).
 
 Data: by default the experiment's own input pipeline, its eval split (`--split
 validation`, also called `eval`): one pass in order with padded rows, exactly the
@@ -18,7 +19,7 @@ batches the trainer evaluates, so `axcore eval --max-batches N` equals the run's
 `--split train` evaluates the first `--max-batches` batches of the training stream (it
 is endless, so the bound is required). With `input.mixture`, each component is evaluated
 alone and the total is token-weighted, within the same budget as the trainer's
-(`--max-batches` split by the mixture weights, `axcore.trainer.evaluate`); `components`
+(`--max-batches` split by the mixture weights, `axcore.placement.evaluate`); `components`
 holds each one's result. `data` files replace it: text (`.txt`, any
 other suffix) or JSONL (`.jsonl`, field `text`) files tokenized with the experiment's
 tokenizer, or pre-tokenized token files (`.bin`, `.tokens`; uint16, or uint32 when
@@ -52,9 +53,9 @@ import numpy as np
 from axcore.data import PAD_LABEL, DataError, Split, TextFiles, TextFormat, TokenDtype, TokenFile
 from axcore.data.schema import BATCH_SCHEMA
 from axcore.errors import AxcoreError
-from axcore.inference.run_loading import LoadedModel, load_model_and_step
+from axcore.inference.run_loading import LoadedModel, load_model_and_placement
+from axcore.placement.evaluate import EvalProgress, EvalTotals, Evaluator, component_budgets, evaluate_input
 from axcore.platform.distributed import is_primary
-from axcore.trainer.evaluate import EvalProgress, EvalTotals, component_budgets, evaluate_input
 
 # `--split` names -> the source's split ("validation" is the eval split).
 SPLITS = {"validation": Split.EVAL, "eval": Split.EVAL, "train": Split.TRAIN}
@@ -216,26 +217,28 @@ def evaluate_run(
         raise EvalError("--split train reads the endless training stream; pass --max-batches N (its first N batches).")
     sizes = [f"input.batch_size={batch_size}"] * (batch_size is not None) + [f"input.seq_len={seq_len}"] * (seq_len is not None)
     say = report or _to_stderr
-    loaded, train_step = load_model_and_step(path, step=step, overrides=[*overrides, *sizes], report=say,
-                                             objects=objects)
+    loaded, placement = load_model_and_placement(path, step=step, overrides=[*overrides, *sizes], report=say,
+                                                 objects=objects)
     config = loaded.experiment.config
+    # The objective's eval step on the placed model (the one the trainer evaluates with); no optimizer.
+    evaluator = Evaluator(placement, config.trainer.objective.instantiate())
     batch_size, seq_len = config.input.batch_size, config.input.seq_len
     vocab = getattr(config.model, "vocab_size", None)
     progress = progress or EvalProgress(sys.stderr if is_primary() else io.StringIO(), "eval")
     if data:
-        streams = _data_streams(loaded, train_step.tokenizer, data)
-        layout = train_step.shard_layout
+        streams = _data_streams(loaded, placement.tokenizer, data)
+        layout = placement.shard_layout
         rows = np.concatenate([np.arange(s * layout.rows_per_shard, (s + 1) * layout.rows_per_shard)
                                for s in layout.shards])
         pipeline = _FileBatches(streams, seq_len, batch_size, vocab if isinstance(vocab, int) else None, rows)
         described = "; ".join(what for what, _ in streams)
         say(f"Evaluating step {loaded.step} of {loaded.source} on {described}{_bound(max_batches)}")
-        totals = train_step.evaluate(loaded.params, train_step.loader(pipeline), max_batches or 0,
-                                     progress=progress.for_stream(None, max_batches))
+        totals = evaluator.evaluate(loaded.params, placement.loader(pipeline), max_batches or 0,
+                                    progress=progress.for_stream(None, max_batches))
     else:
         described = f"the {split} split of the run's input pipeline"
         say(f"Evaluating step {loaded.step} of {loaded.source} on {described}{_plan(config.input, max_batches)}")
-        totals = evaluate_input(train_step, loaded.params, SPLITS[split], max_batches, progress=progress.for_stream)
+        totals = evaluate_input(evaluator, loaded.params, SPLITS[split], max_batches, progress=progress.for_stream)
     if totals.tokens <= 0:
         raise EvalError("No target token was evaluated; check the data and --max-batches.")
     return EvalResult(

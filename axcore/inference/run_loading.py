@@ -12,11 +12,14 @@ the run's configured backend, `trainer.checkpoint.backend`). `path` may name the
 directory, its `checkpoints/` directory, or one step's directory inside it (`200/`
 for orbax, `step_00000200/` for tensorstore), which also picks the step.
 
-Restoring goes through the training code's own pieces, not a copy of them: the abstract
-parameters and their shardings (`TrainStep.abstract_state()["params"]`, on the
-experiment's mesh; `axcore.trainer.step`, which creates no run directory), the configured backend (`make_checkpoint_backend`) and
-`restore_verified` (checksums checked; with no step given, a step that fails
-verification falls back to the newest one that verifies, reported through `report`).
+Restoring goes through the pieces training uses, not a copy of them: the experiment's
+placement (`axcore.placement.Placement`: the model, its abstract parameters and their
+shardings on the experiment's mesh; the train step owns the same object, but no learner,
+objective or optimizer state is built here), the configured backend
+(`axcore.placement.backend.make_checkpoint_backend`, which also parses a step directory's
+name, `step_of`) and `restore_verified` (checksums checked; with no step given, a step
+that fails verification falls back to the newest one that verifies, reported through
+`report`). The run directory's names come from `axcore.placement.layout`.
 Only the parameters are read, as a partial restore of `{"params": ...}`: from a train
 state checkpoint the optimizer state is never read (nor held in memory), and a
 parameters-only checkpoint (see `save_model`, or an importer's output) restores the
@@ -24,7 +27,7 @@ same way.
 
 `save_model` writes the other direction: an experiment and a parameter tree as a run
 directory (config.yaml plus a committed parameters-only step, see
-`axcore.trainer.resume`), so a converted model can be evaluated, sampled, or
+`axcore.placement.backend.params_only_metadata`), so a converted model can be evaluated, sampled, or
 fine-tuned by resuming it with `axcore train RUN/config.yaml --set trainer.run_dir=RUN`
 (which initializes the optimizer state on that first resume).
 """
@@ -34,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,18 +44,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from axcore.checkpoint import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, restore_verified
+from axcore.checkpoint import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError
 from axcore.errors import AxcoreError
 from axcore.experiment.loading import Experiment, load_experiment
-from axcore.trainer.config import make_checkpoint_backend
-from axcore.trainer.resume import params_only_metadata
-from axcore.trainer.step import TrainStep
-
-# Names of a run directory's parts (what the training loop writes).
-CONFIG_FILE = "config.yaml"
-CHECKPOINTS_DIR = "checkpoints"
-# A step's directory name: `200` (orbax) or `step_00000200` (tensorstore).
-_STEP_DIR = re.compile(r"(?:step_)?(\d+)")
+from axcore.placement.backend import make_checkpoint_backend, params_only_metadata
+from axcore.placement.layout import CHECKPOINTS_DIR, CONFIG_FILE, checkpoints_path, config_path
+from axcore.placement.placement import Placement
 
 
 class RunLoadError(AxcoreError):
@@ -78,10 +74,15 @@ class LoadedModel:
 
 @dataclasses.dataclass(frozen=True)
 class RunLocation:
-    """Where `path` points: its run directory and the step its name picks (None: not a step directory)."""
+    """Where `path` points: its run directory and the step directory it names (None: not a step directory).
+
+    The step a step directory holds is the run's checkpoint backend's to parse (`step_of`), so
+    `load_model` reads it once the backend is built.
+    """
 
     run_dir: pathlib.Path
-    step: int | None
+    # The name of the step directory `path` names inside checkpoints/ (e.g. "200", "step_00000200"), or None.
+    step_dir: str | None
 
 
 def locate_run(path: str | os.PathLike) -> RunLocation:
@@ -101,11 +102,7 @@ def locate_run(path: str | os.PathLike) -> RunLocation:
         return RunLocation(resolved.parent, None)
     parent = resolved.parent
     if parent.name == CHECKPOINTS_DIR and (parent.parent / CONFIG_FILE).is_file():
-        match = _STEP_DIR.fullmatch(resolved.name)
-        if match is None:
-            raise RunLoadError(f"'{given}' is not a step directory of {parent} (names look like 200 or "
-                               f"step_00000200); pass the run directory, with --step to pick a step.")
-        return RunLocation(parent.parent, int(match.group(1)))
+        return RunLocation(parent.parent, resolved.name)
     raise RunLoadError(f"'{given}' holds no {CONFIG_FILE}: it is not a run directory written by `axcore train` "
                        f"(nor its {CHECKPOINTS_DIR}/ or a step directory in it); pass the run directory.")
 
@@ -117,7 +114,7 @@ def load_run_experiment(path: str | os.PathLike, overrides: Sequence[str] = (), 
     run from more devices out on this machine's. `kwargs` go to `load_experiment`.
     """
     location = locate_run(path)
-    experiment = load_experiment(location.run_dir / CONFIG_FILE, list(overrides), **kwargs)
+    experiment = load_experiment(config_path(location.run_dir), list(overrides), **kwargs)
     return experiment, location
 
 
@@ -150,39 +147,36 @@ def load_model(
         CheckpointError: a step fails verification (checksums, unreadable files).
         AxcoreError subclasses: the saved config does not load (e.g. a plugin is missing).
     """
-    return load_model_and_step(path, step=step, overrides=overrides, report=report, objects=objects)[0]
+    return load_model_and_placement(path, step=step, overrides=overrides, report=report, objects=objects)[0]
 
 
-def load_model_and_step(
+def load_model_and_placement(
     path: str | os.PathLike,
     *,
     step: int | None = None,
     overrides: Sequence[str] = (),
     report: Callable[[str], None] | None = None,
     objects: dict[str, Any] | None = None,
-) -> tuple[LoadedModel, TrainStep]:
-    """`load_model`, plus the `TrainStep` whose mesh, shardings and steps restored it (for evaluation and
-    generation: its `tokenizer`, `op_environment()`, `compiled_eval_step()`, `loader()`, `evaluate()`)."""
+) -> tuple[LoadedModel, Placement]:
+    """`load_model`, plus the `Placement` whose mesh and shardings restored it (for evaluation and
+    generation: its `tokenizer`, `op_environment()`, `loader()`; `axcore.placement.Evaluator` adds the
+    eval step). No learner, objective or optimizer state is built."""
     experiment, location = load_run_experiment(path, overrides, objects=objects)
-    if step is not None and location.step is not None and step != location.step:
-        raise RunLoadError(f"'{path}' is the directory of step {location.step} but step {step} was asked for; "
-                           f"pass the run directory {location.run_dir} to choose a step.")
-    step = step if step is not None else location.step
-    checkpoints = location.run_dir / CHECKPOINTS_DIR
+    checkpoints = checkpoints_path(location.run_dir)
     if not checkpoints.is_dir():  # Checked first: a backend would create the directory.
         raise RunLoadError(f"Run {location.run_dir} has no {CHECKPOINTS_DIR}/ directory, so no trained "
-                           f"parameters; train it (axcore train {location.run_dir / CONFIG_FILE}) or pass another run.")
-    train_step = TrainStep(experiment)
+                           f"parameters; train it (axcore train {config_path(location.run_dir)}) or pass another run.")
     report = report or (lambda line: print(line, file=sys.stderr))
     backend = make_checkpoint_backend(experiment.config.trainer.checkpoint, experiment.registries, checkpoints)
     where = f"run {location.run_dir} ({experiment.config.trainer.checkpoint.backend} checkpoints)"
     try:
+        step = _chosen_step(path, step, location, backend)
+        placement = Placement(experiment)
         if not backend.all_steps():
             raise RunLoadError(f"No committed checkpoint in {checkpoints} ({where}); wait for or rerun the training "
                                f"(a step without its commit marker is an interrupted save).")
-        target = {"params": train_step.abstract_state()["params"]}  # ShapeDtypeStructs: nothing allocated.
         try:
-            state, _, restored = restore_verified(backend, target, step, report=report, partial=True)
+            params, restored = placement.restore_params(backend, step, report)  # Only {"params": ...} is read.
         except CheckpointNotFoundError as e:
             raise RunLoadError(f"{e} ({where}); pass one of the committed steps or omit the step.") from None
         except CheckpointError as e:
@@ -191,8 +185,26 @@ def load_model_and_step(
             raise
     finally:
         backend.close()
-    return LoadedModel(experiment, train_step.model, state["params"], int(restored), location.run_dir), train_step
+    return LoadedModel(experiment, placement.model, params, restored, location.run_dir), placement
 
+
+def _chosen_step(path: str | os.PathLike, step: int | None, location: RunLocation, backend: Any) -> int | None:
+    """`step`, or the step of the step directory `path` names (parsed by the backend); None: the latest.
+
+    Raises:
+        RunLoadError: the directory's name is no step of the backend, or names another step than `step`.
+    """
+    if location.step_dir is None:
+        return step
+    step_of = getattr(backend, "step_of", None)
+    named = step_of(location.step_dir) if step_of is not None else None
+    if named is None:
+        raise RunLoadError(f"'{path}' is not a step directory of {checkpoints_path(location.run_dir)} (names look "
+                           f"like 200 or step_00000200); pass the run directory, with --step to pick a step.")
+    if step is not None and step != named:
+        raise RunLoadError(f"'{path}' is the directory of step {named} but step {step} was asked for; "
+                           f"pass the run directory {location.run_dir} to choose a step.")
+    return named
 
 
 def _mismatch(error: CheckpointError, run_dir: pathlib.Path) -> RunLoadError:
@@ -210,7 +222,7 @@ def save_model(
     Writes `config.yaml`/`config.txt` (`Experiment.save`) and commits checkpoint `step`
     through the experiment's backend, holding `{"params": params}` only (cast to the
     model's parameter dtypes and placed on the experiment's mesh) and the metadata of
-    a parameters-only checkpoint (`axcore.trainer.resume.params_only_metadata`: the
+    a parameters-only checkpoint (`axcore.placement.backend.params_only_metadata`: the
     step, `seed` (default `trainer.seed`) for the PRNG key, and the input position at
     the start of the data). No optimizer state is written: training initializes it
     when it first resumes from this step.
@@ -220,12 +232,12 @@ def save_model(
             model (naming every differing parameter path).
     """
     run_dir = pathlib.Path(run_dir)
-    checkpoints = run_dir / CHECKPOINTS_DIR
+    checkpoints = checkpoints_path(run_dir)
     if checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise RunLoadError(f"'{checkpoints}' already holds checkpoints; save into a new run directory.")
-    abstract = TrainStep(experiment).abstract_state()
-    _check_params(params, abstract["params"], run_dir)
-    params = jax.tree.map(lambda x, a: jax.device_put(jnp.asarray(x, a.dtype), a.sharding), params, abstract["params"])
+    abstract = Placement(experiment).abstract_params()
+    _check_params(params, abstract, run_dir)
+    params = jax.tree.map(lambda x, a: jax.device_put(jnp.asarray(x, a.dtype), a.sharding), params, abstract)
     metadata = params_only_metadata(step, experiment.config.trainer.seed if seed is None else seed)
     experiment.save(run_dir)
     backend = make_checkpoint_backend(experiment.config.trainer.checkpoint, experiment.registries, checkpoints)

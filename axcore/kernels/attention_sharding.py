@@ -68,13 +68,13 @@ __all__ = ["attention_mesh_layout", "shard_count"]
 
 
 def checked_call_layout(
-    kernel: str, problem: AttentionProblem, layout: Any, q_segment_ids: Any, kv_segment_ids: Any, **declined: Any
+    kernel: str, problem: AttentionProblem, layout: Any, q_segment_ids: Any, kv_segment_ids: Any, /, **declined: Any
 ) -> tuple[PartitionSpec, PartitionSpec] | None:
     """The `(q_spec, kv_spec)` a fused kernel's call runs over (`layout(problem)`, e.g.
     `attention_mesh_layout`), after refusing what its `is_supported` declines.
 
     `declined` holds the call's inputs the kernel does not implement (positions, bias,
-    dropout key, ...): any of them not None is a ValueError, as are segment ids given
+    dropout key, segment ids for a kernel without them, ...): any of them not None is a ValueError, as are segment ids given
     for one side only and a sharding the layout declines. These are caller bugs (the
     registry asked `is_supported` first), hence ValueError rather than an AxcoreError.
     """

@@ -236,7 +236,7 @@ def run_pipeline(
         table: the schedule `[T, S, 2]` (`check_table`).
         mesh: a mesh (or abstract mesh) with a `stage` axis of size S.
         repeats: V, layer groups per stage.
-        unroll: unroll the loop over the table's steps (for FLOP counts; see axcore.cli.compile).
+        unroll: unroll the loop over the table's steps (for FLOP counts; see axcore.trainer.compile_analysis).
 
     Returns:
         `[M, mb, ...]`: every microbatch after all layer groups, replicated over `stage`.

@@ -7,8 +7,6 @@ The built-in plugin `axcore.observe.plugin` registers the `jsonl` and `tensorboa
 writers.
 """
 
-from typing import TYPE_CHECKING
-
 from axcore._lazy import lazy_exports
 from axcore.observe.plot import plot_loss_curve
 from axcore.observe.progress import ProgressLog, format_duration
@@ -23,9 +21,6 @@ from axcore.observe.writers import (
 
 _FACTORIES = ("JsonlWriterFactory", "MetricsWriterFactory", "TensorBoardWriterFactory")
 __getattr__, __dir__ = lazy_exports(globals(), {name: "axcore.observe.factories" for name in _FACTORIES})
-
-if TYPE_CHECKING:
-    from axcore.observe.factories import JsonlWriterFactory, MetricsWriterFactory, TensorBoardWriterFactory
 
 __all__ = [
     "JsonlWriter",

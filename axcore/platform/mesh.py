@@ -36,7 +36,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from axcore.errors import AxcoreError
-from axcore.markers import hookimpl
 
 # Mesh axis names with a meaning beyond the axis rules. `context`: the sequence is split over it and
 # attention runs through the context-parallel kernels (axcore.kernels.attention_context, which names
@@ -189,8 +188,3 @@ DEFAULT_RULE = MeshRule(
     axis_rules={},
     priority=-1000,
 )
-
-
-@hookimpl
-def axcore_register_mesh_rules(register):
-    register(DEFAULT_RULE)

@@ -35,10 +35,10 @@ process 0 sends `challenge <nonce>`; the peer answers `hello <id> <its nonce>
 registers the peer and answers `welcome <HMAC-SHA256(secret, welcome|its nonce|id)>`,
 which the peer checks before it trusts anything from process 0 (`lost N`, `bye`).
 
-What a stranger that reaches the port can do: hold at most `_MAX_PENDING` connections
-open for `_AUTH_TIMEOUT` seconds each, each buffering at most `_MAX_LINE` bytes; more are
+What a stranger that reaches the port can do: hold at most `MAX_PENDING` connections
+open for `AUTH_TIMEOUT` seconds each, each buffering at most `_MAX_LINE` bytes; more are
 closed at once. A connection that sends anything but a valid hello, sends a line longer
-than `_MAX_LINE`, or is silent for `_AUTH_TIMEOUT`, is closed and forgotten: it is never a
+than `_MAX_LINE`, or is silent for `AUTH_TIMEOUT`, is closed and forgotten: it is never a
 peer, its lines change nothing, its close is no loss. Flooding the port while the job
 starts can keep a real peer from connecting; that peer then trains unwatched (a warning
 says so; JAX's heartbeat still applies). It cannot stop the job, mark a process lost,
@@ -74,15 +74,15 @@ _SECRET_BYTES = 32
 # Seconds a process waits for process 0 to accept its connection and to answer its hello.
 _CONNECT_TIMEOUT = 30.0
 # Seconds process 0 gives a new connection to authenticate before closing it.
-_AUTH_TIMEOUT = 5.0
+AUTH_TIMEOUT = 5.0
 # Unauthenticated connections process 0 holds at once; further ones are closed at once.
-_MAX_PENDING = 32
+MAX_PENDING = 32
 # Longest line either end reads (bytes); an unauthenticated sender of a longer one is dropped.
 _MAX_LINE = 256
 # Seconds process 0 gives the others to stop on its notice before it exits itself.
 _NOTICE_GRACE = 2.0
 
-_watch: _Watch | None = None
+_watch: PeerWatch | None = None
 
 
 def _message(lost: int, num_processes: int, me: int, how: str) -> str:
@@ -131,12 +131,12 @@ class _Conn:
     def __init__(self, sock: socket.socket, nonce: bytes):
         self.sock = sock
         self.nonce = nonce  # The challenge sent to it.
-        self.deadline = time.monotonic() + _AUTH_TIMEOUT  # To authenticate by.
+        self.deadline = time.monotonic() + AUTH_TIMEOUT  # To authenticate by.
         self.buffer = b""
         self.process: int | None = None  # Its process id, once authenticated.
 
 
-class _Watch:
+class PeerWatch:
     def __init__(self, process_id: int, num_processes: int, secret: bytes = b""):
         self.process_id = process_id
         self.num_processes = num_processes
@@ -193,7 +193,7 @@ class _Watch:
             return
         conn = _Conn(sock, secrets.token_hex(16).encode())
         try:
-            if strangers >= _MAX_PENDING:
+            if strangers >= MAX_PENDING:
                 raise OSError("too many unauthenticated connections")
             sock.sendall(b"challenge " + conn.nonce + b"\n")
         except OSError:
@@ -356,7 +356,7 @@ def start(process_id: int, num_processes: int, coordinator_host: str | None) -> 
     global _watch
     if _watch is not None or num_processes <= 1:
         return
-    watch = _Watch(process_id, num_processes)
+    watch = PeerWatch(process_id, num_processes)
     try:
         address, secret = "", bytes(_SECRET_BYTES)
         if process_id == 0:

@@ -15,33 +15,9 @@ lazily, so `import axcore.plugin` stays cheap.
 
 from __future__ import annotations
 
-from axcore._lazy import lazy_exports
+from axcore._lazy import lazy_exports, module_exports
 
-_WHERE = {
-    name: "axcore.plugin.loading"
-    for name in (
-        "API_REQUIREMENT_ATTRIBUTE",
-        "BUILTIN_DISTRIBUTION",
-        "BUILTIN_PLUGINS",
-        "DISABLE_AUTOLOAD_ENV",
-        "ENTRY_POINT_GROUP",
-        "HARDWARE_PLATFORMS",
-        "LOAD_PLUGINS_ENV",
-        "AxcorePluginManager",
-        "Component",
-        "PluginExcludedError",
-        "PluginInfo",
-        "PluginRequest",
-        "UnknownHookError",
-        "autoload_disabled",
-        "builtin_registries",
-        "create_plugin_manager",
-        "excluded_entry_points",
-        "installed_entry_points",
-        "load_allow_list",
-        "probe_instance_type",
-    )
-}
+_WHERE = module_exports(globals(), ["loading"])
 __all__ = sorted(_WHERE)
 
 __getattr__, __dir__ = lazy_exports(globals(), _WHERE)

@@ -27,11 +27,44 @@ from collections.abc import Callable
 from typing import Any
 
 from axcore.errors import one_line
-from axcore.plugin.entry_points import _dist_of, autoload_disabled, installed_entry_points
+from axcore.plugin.entry_points import autoload_disabled, distribution_of, installed_entry_points
 from axcore.registry import Provenance, Registry
 
 # The `axcore` command's own sub-commands; plugins may not register these names.
 BUILTIN_COMMANDS = ("train", "config", "plugins", "compile", "loc", "new-plugin", "eval", "generate", "prepare")
+
+
+def add_experiment(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    """Adds the experiment argument (a file or built-in name; optional unless `required`), `--set` and `--mesh-selector`.
+
+    What `axcore train` takes; a plugin's command adds the same with this and reads them
+    back with `overrides(args)` for `load_experiment(args.experiment, overrides(args))`.
+    """
+    parser.add_argument(
+        "experiment",
+        nargs=None if required else "?",
+        help="experiment YAML file or built-in experiment name" + ("" if required else " (default: default)"),
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a config value, e.g. --set trainer.max_steps=50 (repeatable; YAML-typed)",
+    )
+    parser.add_argument(
+        "--mesh-selector",
+        metavar="INSTANCE_TYPE",
+        help="lay the run out for this instance type (e.g. gpu-h100-8, tpu-v5p-64) instead of the detected "
+        "one; its hardware plugin is loaded if installed (same as --set mesh.instance_type=...)",
+    )
+
+
+def overrides(args) -> list[str]:
+    """The `--set` overrides, with `--mesh-selector` as `mesh.instance_type`."""
+    selector = getattr(args, "mesh_selector", None)
+    return [*args.overrides, *([f"mesh.instance_type={selector}"] if selector else [])]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +209,7 @@ def listed_plugin_commands() -> CommandListing:
         return CommandListing([], {}, "AXCORE_DISABLE_PLUGIN_AUTOLOAD is set")
     commands, unreadable = [], {}
     for plugin, eps in sorted(installed_entry_points().items()):
-        distribution, _ = _dist_of(eps[0])
+        distribution, _ = distribution_of(eps[0])
         module = eps[0].value.split(":", 1)[0].strip()
         try:
             path = _module_source(module)

@@ -31,7 +31,9 @@ def load_allow_list() -> frozenset[str] | None:
     return frozenset(canonicalize_name(n.strip()) for n in value.split(",") if n.strip())
 
 
-def _allowed(name: str, allowed: frozenset[str] | None) -> bool:
+def allowed_to_load(name: str, allowed: frozenset[str] | None = None) -> bool:
+    """Whether installed plugin `name` may load: it is in `allowed` (default: AXCORE_LOAD_PLUGINS's list), or no list is set."""
+    allowed = load_allow_list() if allowed is None else allowed
     return allowed is None or canonicalize_name(name) in allowed
 
 
@@ -56,17 +58,20 @@ def installed_entry_points() -> dict[str, list[importlib.metadata.EntryPoint]]:
     `excluded_entry_points()` instead.
     """
     allowed = load_allow_list()
-    return {name: eps for name, eps in _scanned_entry_points().items() if _allowed(name, allowed)}
+    return {name: eps for name, eps in installed_plugins().items() if allowed_to_load(name, allowed)}
 
 
 def excluded_entry_points() -> dict[str, list[importlib.metadata.EntryPoint]]:
     """Installed plugins that AXCORE_LOAD_PLUGINS leaves out (empty when it is unset)."""
     allowed = load_allow_list()
-    return {name: eps for name, eps in _scanned_entry_points().items() if not _allowed(name, allowed)}
+    return {name: eps for name, eps in installed_plugins().items() if not allowed_to_load(name, allowed)}
 
 
-def _scanned_entry_points() -> dict[str, list[importlib.metadata.EntryPoint]]:
-    """Plugin name -> entry points of every installed plugin, allowed to load or not.
+def installed_plugins() -> dict[str, list[importlib.metadata.EntryPoint]]:
+    """Plugin name -> entry points of every installed plugin, allowed to load or not (none imported).
+
+    `allowed_to_load(name)` says which AXCORE_LOAD_PLUGINS lets load;
+    `installed_entry_points()` holds only those.
 
     Scanning every distribution's metadata is the slow part of resolving an
     experiment; the scan is reused while `sys.path` and its directories are unchanged
@@ -83,7 +88,8 @@ def _scanned_entry_points() -> dict[str, list[importlib.metadata.EntryPoint]]:
     return found
 
 
-def _dist_of(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
+def distribution_of(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
+    """(distribution name, version) that provides entry point `ep`; ("<unknown distribution>", "0") when unknown."""
     dist = getattr(ep, "dist", None)
     if dist is None:
         return "<unknown distribution>", "0"

@@ -40,6 +40,7 @@ import importlib
 import importlib.metadata
 import os
 from collections.abc import Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
@@ -57,12 +58,12 @@ from axcore.plugin.entry_points import (  # Re-exported: discovery reads metadat
     DISABLE_AUTOLOAD_ENV,
     ENTRY_POINT_GROUP,
     LOAD_PLUGINS_ENV,
-    _allowed,
-    _dist_of,
-    _scanned_entry_points as _scanned_entry_points,  # For axcore.cli.plugins.
+    allowed_to_load,
     autoload_disabled,
+    distribution_of,
     excluded_entry_points,
     installed_entry_points,
+    installed_plugins,
     load_allow_list,
 )
 from axcore.plugin.instance_probe import HARDWARE_PLATFORMS, probe_instance_type  # Re-exported: the pre-JAX probe.
@@ -81,7 +82,6 @@ from axcore.registry import Registries
 __all__ = [
     "API_REQUIREMENT_ATTRIBUTE",
     "BUILTIN_DISTRIBUTION",
-    "BUILTIN_PLUGINS",
     "DISABLE_AUTOLOAD_ENV",
     "ENTRY_POINT_GROUP",
     "HARDWARE_PLATFORMS",
@@ -92,28 +92,50 @@ __all__ = [
     "PluginInfo",
     "PluginRequest",
     "UnknownHookError",
+    "allowed_to_load",
     "autoload_disabled",
     "builtin_registries",
+    "component_plugins",
     "create_plugin_manager",
+    "distribution_of",
     "excluded_entry_points",
     "installed_entry_points",
+    "installed_plugins",
     "load_allow_list",
+    "load_plugin",
     "probe_instance_type",
 ]
 
-# Core modules that are plugins, registered first (like pytest's default_plugins).
-BUILTIN_PLUGINS = (
-    "axcore.layers.plugin",
-    "axcore.kernels.plugin",
-    "axcore.platform.mesh",
-    "axcore.experiment.config_modifiers",
-    "axcore.experiment.context_modifiers",
-    "axcore.data.plugin",
-    "axcore.checkpoint.plugin",
-    "axcore.trainer.plugin",
-    "axcore.observe.plugin",
-    "axcore.experiments.plugin",
-)
+def component_plugins() -> dict[str, ModuleType]:
+    """The built-in plugins of the component packages below this layer: registered name -> module, in order.
+
+    The layers above own the whole list and pass it down (`axcore.experiment.builtins`, which
+    adds the experiment layer's config modifiers), as pytest's config owns its default
+    plugins; a manager built here without `builtins=` gets these. The names are the
+    built-ins' stable names (the provenance configs and `axcore plugins` show): the
+    platform's plugin keeps `axcore.platform.mesh`.
+    """
+    from axcore.checkpoint import plugin as checkpoint  # Deferred: imported when a manager is built.
+    from axcore.data import plugin as data
+    from axcore.experiments import plugin as experiments
+    from axcore.kernels import plugin as kernels
+    from axcore.layers import plugin as layers
+    from axcore.learning import plugin as learning
+    from axcore.observe import plugin as observe
+    from axcore.platform import plugin as platform
+    from axcore.trainer import plugin as trainer
+
+    return {
+        "axcore.layers.plugin": layers,
+        "axcore.kernels.plugin": kernels,
+        "axcore.platform.mesh": platform,
+        "axcore.data.plugin": data,
+        "axcore.checkpoint.plugin": checkpoint,
+        "axcore.learning.plugin": learning,
+        "axcore.trainer.plugin": trainer,
+        "axcore.observe.plugin": observe,
+        "axcore.experiments.plugin": experiments,
+    }
 
 
 class PluginExcludedError(UnknownPluginError):
@@ -121,22 +143,30 @@ class PluginExcludedError(UnknownPluginError):
 
 
 def builtin_registries() -> Registries:
-    """Registries of a manager with only the built-in plugins."""
+    """Registries of a manager with only the component built-ins (`component_plugins()`)."""
     return create_plugin_manager().registries
 
 
-def _load_entry_point(name: str, eps: list[importlib.metadata.EntryPoint]) -> tuple[Any, str, str]:
-    """Imports plugin `name` from its entry points; returns (plugin, distribution, version).
+def load_plugin(name: str, eps: Sequence[importlib.metadata.EntryPoint] | None = None) -> tuple[Any, str, str]:
+    """Imports installed plugin `name` from its entry points; returns (plugin, distribution, version).
+
+    `eps` defaults to the entry points `installed_plugins()` finds under `name`. The plugin
+    is only imported, not registered (`AxcorePluginManager.register_plugin` does that).
 
     Raises:
+        UnknownPluginError: no installed plugin has that name.
         PluginError: several distributions provide the name.
         PluginLoadError: the import fails (the message names the distribution and the fixes).
     """
+    if eps is None:
+        eps = installed_plugins().get(name, [])
+        if not eps:
+            raise UnknownPluginError(f"No installed plugin named '{name}'; `axcore plugins` lists them.")
     if len(eps) > 1:
-        dists = ", ".join(_dist_of(ep)[0] for ep in eps)
+        dists = ", ".join(distribution_of(ep)[0] for ep in eps)
         raise PluginError(f"Plugin name '{name}' is provided by several distributions ({dists}); uninstall all but one.")
     ep = eps[0]
-    dist, version = _dist_of(ep)
+    dist, version = distribution_of(ep)
     try:
         plugin = ep.load()
     except Exception as e:  # Any import failure inside the plugin is reported, not swallowed.
@@ -153,6 +183,7 @@ def create_plugin_manager(
     *,
     objects: Mapping[str, Any] | None = None,
     platform: str | None = None,
+    builtins: Mapping[str, ModuleType] | None = None,
 ) -> AxcorePluginManager:
     """Builds a plugin manager.
 
@@ -163,6 +194,9 @@ def create_plugin_manager(
             is looked up here before the entry points.
         platform: the detected platform ("gpu", "tpu", ...); the entry point of that
             name is loaded too unless AXCORE_DISABLE_PLUGIN_AUTOLOAD is set.
+        builtins: the built-in plugins, name -> module, registered first in this order;
+            default `component_plugins()`. `axcore.create_plugin_manager` passes all of
+            axcore's (`axcore.experiment.builtins.builtin_plugins()`).
 
     Raises:
         UnknownPluginError: a requested name is neither given nor installed (the
@@ -171,8 +205,7 @@ def create_plugin_manager(
         PluginLoadError: a plugin fails to import or has invalid hook implementations.
     """
     manager = AxcorePluginManager()
-    for module_name in BUILTIN_PLUGINS:
-        module = importlib.import_module(module_name)
+    for module_name, module in (component_plugins() if builtins is None else builtins).items():
         manager.register_plugin(module, module_name, distribution=BUILTIN_DISTRIBUTION, version=_core_version(), source="builtin")
     objects = dict(objects or {})
     requests = [PluginRequest.parse(p, f"plugins[{i}]") for i, p in enumerate(plugins)]
@@ -188,7 +221,7 @@ def create_plugin_manager(
         if entry_points is None:
             entry_points = installed_entry_points()
         eps = entry_points.get(request.name) or entry_points.get(canonicalize_name(request.name))
-        if not eps and not _allowed(request.name, load_allow_list()):
+        if not eps and not allowed_to_load(request.name):
             excluded = excluded_entry_points()
             if request.name in excluded or canonicalize_name(request.name) in excluded:
                 raise PluginExcludedError(
@@ -203,13 +236,13 @@ def create_plugin_manager(
                 f"installed plugins: {', '.join(installed) or 'none'}. Install its package "
                 f"(e.g. pip install axcore-{request.name}) or fix the name."
             )
-        dist, version = _dist_of(eps[0])
+        dist, version = distribution_of(eps[0])
         if request.specifier and not SpecifierSet(request.specifier).contains(version, prereleases=True):
             raise PluginVersionError(
                 f"Plugin '{request.name}' {request.specifier} was asked for, but {dist} {version} "
                 f"is installed; install a matching version or relax the specifier."
             )
-        plugin, dist, version = _load_entry_point(request.name, eps)
+        plugin, dist, version = load_plugin(request.name, eps)
         manager.register_plugin(plugin, request.name, distribution=dist, version=version, source="entry-point")
     if platform and platform in objects and not manager.is_registered(platform):
         # Given as an object (tests, notebooks): registered as an autoloaded hardware plugin would be.
@@ -218,7 +251,7 @@ def create_plugin_manager(
         if entry_points is None:
             entry_points = installed_entry_points()
         if platform in entry_points:
-            plugin, dist, version = _load_entry_point(platform, entry_points[platform])
+            plugin, dist, version = load_plugin(platform, entry_points[platform])
             # Registers kernels and mesh rules; its transforms run only if `plugins:` lists it.
             manager.register_plugin(
                 plugin, platform, distribution=dist, version=version, source="platform", listed=False

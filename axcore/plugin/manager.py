@@ -208,6 +208,10 @@ class AxcorePluginManager:
         """Whether a plugin is registered under `name`."""
         return name in self._infos
 
+    def info(self, name: str) -> PluginInfo:
+        """What was recorded when plugin `name` was registered (KeyError if it was not)."""
+        return self._infos[name]
+
     @property
     def plugins(self) -> list[PluginInfo]:
         """All registered plugins, built-ins first, then in request order."""

@@ -8,7 +8,12 @@
 Suites (base test classes, configured by class attributes): AttentionKernelConformance,
 PositionEmbeddingConformance, CheckpointBackendConformance, ConfigTransformConformance,
 DecodingConformance.
-Their checks are plain functions too (`check_attention_kernel`, ...). The pytest plugin
+Their checks are plain functions too (`check_attention_kernel`, ...). Helpers shared by
+axcore's own tests and the plugins' (each plugin's tests run from its package alone):
+`TINY_OVERRIDES`, `load_tiny_experiment`, `train_steps` and `train_params` (a few SGD
+steps of a tiny model), `NP_ACTIVATIONS` (NumPy activations), the
+`rms_norm` op's NumPy oracle (`np_rms_norm`, `check_rms_norm`, `RMS_NORM_CASES`, ...) and `run_host_device_worker`
+(a script on 8 host CPU devices in a fresh process). The pytest plugin
 (`axcore.testing.pytest_plugin`, loaded through the `pytest11` entry point) adds the
 fixtures `axcore_plugin_manager`, `axcore_registries`, `axcore_tiny_experiment` and
 `axcore_train_steps`. Names load lazily (PEP 562): importing this package imports
@@ -16,8 +21,6 @@ neither JAX nor pytest.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from axcore._lazy import lazy_exports
 
@@ -29,28 +32,27 @@ _EXPORTS = {
         "DecodingConformance",
         "PositionEmbeddingConformance",
     ],
-    "axcore.testing._decoding": ["check_decoding_matches_forward"],
-    "axcore.testing._attention": [
+    "axcore.testing.decoding": ["check_decoding_matches_forward"],
+    "axcore.testing.attention": [
         "DEFAULT_CASES",
         "AttentionCase",
         "check_attention_kernel",
         "numpy_attention",
     ],
-    "axcore.testing._training": ["TINY_OVERRIDES", "load_tiny_experiment", "train_steps"],
+    "axcore.testing.training": ["TINY_OVERRIDES", "load_tiny_experiment", "train_params", "train_steps"],
+    "axcore.testing.activations": ["NP_ACTIVATIONS"],
+    "axcore.testing.rms_norm": [
+        "RMS_NORM_CASES",
+        "RMS_NORM_EPS",
+        "RMS_NORM_TOLERANCE",
+        "check_rms_norm",
+        "np_rms_norm",
+        "np_rms_norm_vjp",
+        "rms_norm_case_arrays",
+    ],
+    "axcore.testing.devices": ["run_host_device_worker"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
 
 __getattr__, __dir__ = lazy_exports(globals(), _WHERE)
-
-if TYPE_CHECKING:
-    from axcore.testing._attention import DEFAULT_CASES, AttentionCase, check_attention_kernel, numpy_attention
-    from axcore.testing._decoding import check_decoding_matches_forward
-    from axcore.testing._training import TINY_OVERRIDES, load_tiny_experiment, train_steps
-    from axcore.testing.conformance import (
-        AttentionKernelConformance,
-        CheckpointBackendConformance,
-        ConfigTransformConformance,
-        DecodingConformance,
-        PositionEmbeddingConformance,
-    )

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from axcore.experiment.builtins import create_plugin_manager
 from axcore.experiment.loading import load_experiment
-from axcore.plugin.loading import create_plugin_manager
-from axcore.testing import _attention, _checkpoint, _decoding, _position, _transform
-from axcore.testing._training import TINY_OVERRIDES
+from axcore.testing import attention, checkpoint, decoding, position, transform
+from axcore.testing.training import TINY_OVERRIDES
 
 
 def _manager(plugins: Sequence[str], objects: Mapping[str, Any] | None):
@@ -44,7 +44,7 @@ class AttentionKernelConformance:
     # The kernel under test (an object with name, priority, is_supported and __call__).
     kernel: ClassVar[Any] = None
     # The cases to run.
-    cases: ClassVar[Sequence[_attention.AttentionCase]] = _attention.DEFAULT_CASES
+    cases: ClassVar[Sequence[attention.AttentionCase]] = attention.DEFAULT_CASES
     # Platform written into the problems; None = JAX's default backend.
     platform: ClassVar[str | None] = None
     # dtype name -> (output, gradient) tolerance; merged over DEFAULT_TOLERANCES.
@@ -59,14 +59,14 @@ class AttentionKernelConformance:
         assert isinstance(self.kernel.priority, int)
 
     def test_declines_unknown_extras(self):
-        _attention.check_declines_unknown_extras(self.kernel, self.cases[0], platform=self.platform)
+        attention.check_declines_unknown_extras(self.kernel, self.cases[0], platform=self.platform)
 
     def test_supports_some_case(self):
         supported = [c.name for c in self.cases if self.kernel.is_supported(c.problem(self.platform))]
         assert supported, f"kernel {self.kernel.name!r} declines every case; the suite would check nothing"
 
     def test_matches_the_attention_formula(self, attention_case):
-        support = _attention.check_case(
+        support = attention.check_case(
             self.kernel, attention_case, platform=self.platform, tolerances=self.tolerances
         )
         if not support:
@@ -89,7 +89,7 @@ def segment_lengths(length: int, batch: int) -> list[list[int]]:
 
 
 def check_segment_ids(
-    kernel: Any, case: _attention.AttentionCase, *, platform: str | None = None, tolerances: dict | None = None
+    kernel: Any, case: attention.AttentionCase, *, platform: str | None = None, tolerances: dict | None = None
 ) -> Any:
     """Packed rows: the kernel's output and q/k/v gradients with segment ids equal the attention
     formula (NumPy float64) run on each segment alone; or the kernel declines, with a reason.
@@ -113,7 +113,7 @@ def check_segment_ids(
         for start, n in zip(np.cumsum([0, *row[:-1]]), row):
             alone = dataclasses.replace(case, batch=1, q_len=n, kv_len=n)
             span = (slice(b, b + 1), slice(start, start + n))
-            out, grads = _attention.numpy_attention(alone, *(inputs[k][span] for k in ("q", "k", "v", "d_out")))
+            out, grads = attention.numpy_attention(alone, *(inputs[k][span] for k in ("q", "k", "v", "d_out")))
             want_out[span] = out
             for want, grad in zip(want_grads, grads):
                 want[span] = grad
@@ -126,11 +126,11 @@ def check_segment_ids(
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
         *(jnp.asarray(inputs[n]) for n in ("q", "k", "v"))
     )
-    tol_out, tol_grad = {**_attention.DEFAULT_TOLERANCES, **(tolerances or {})}[case.dtype]
+    tol_out, tol_grad = {**attention.DEFAULT_TOLERANCES, **(tolerances or {})}[case.dtype]
     where = f"kernel {kernel.name!r}, case {case.name} (segments {lengths})"
-    _attention._close("output", out, want_out, tol_out, where)
+    attention._close("output", out, want_out, tol_out, where)
     for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
-        _attention._close(name, got, want, tol_grad, where)
+        attention._close(name, got, want, tol_grad, where)
     return support
 
 
@@ -151,23 +151,23 @@ class PositionEmbeddingConformance:
     @classmethod
     def built(cls):
         registries = _manager(cls.plugins, cls.objects).registries
-        return _position.build(cls.embedding, registries)
+        return position.build(cls.embedding, registries)
 
     @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
     def test_shapes_and_dtypes(self, built, dtype):
         import jax.numpy as jnp
 
-        _position.check_shapes_and_dtypes(*built, jnp.dtype(dtype))
+        position.check_shapes_and_dtypes(*built, jnp.dtype(dtype))
 
     def test_positions_matter(self, built):
         if self.identity:
             pytest.skip("declared the identity")
-        _position.check_positions_matter(*built)
+        position.check_positions_matter(*built)
 
     def test_relative_position_invariance(self, built):
         if not self.relative:
             pytest.skip("does not claim relative positions")
-        _position.check_relative_invariance(*built)
+        position.check_relative_invariance(*built)
 
 
 class CheckpointBackendConformance:
@@ -206,16 +206,16 @@ class CheckpointBackendConformance:
             backend.close()
 
     def test_round_trip(self, open_backend, tmp_path):
-        _checkpoint.check_round_trip(open_backend, str(tmp_path))
+        checkpoint.check_round_trip(open_backend, str(tmp_path))
 
     def test_commit_marker_atomicity(self, open_backend, tmp_path):
-        _checkpoint.check_commit_atomicity(open_backend, str(tmp_path), self.uncommit)
+        checkpoint.check_commit_atomicity(open_backend, str(tmp_path), self.uncommit)
 
     def test_restore_into_another_sharding(self, open_backend, tmp_path):
-        _checkpoint.check_restore_into_another_sharding(open_backend, str(tmp_path))
+        checkpoint.check_restore_into_another_sharding(open_backend, str(tmp_path))
 
     def test_mismatch_errors(self, open_backend, tmp_path):
-        _checkpoint.check_mismatch_errors(open_backend, str(tmp_path))
+        checkpoint.check_mismatch_errors(open_backend, str(tmp_path))
 
 
 class ConfigTransformConformance:
@@ -242,24 +242,24 @@ class ConfigTransformConformance:
         settings = manager.settings(raw)
         # The experiment resolved without plugins: the config the transform receives.
         before = load_experiment(cls.experiment, [*cls.overrides, "plugins=[]"], objects=dict(cls.objects)).config
-        after = _transform.transform(manager, before, settings)
+        after = transform.transform(manager, before, settings)
         return manager, settings, before, after
 
     def test_applies_to_every_target(self, transformed):
         manager, _, before, after = transformed
-        _transform.check_applies_to_every_target(before, after, self.targets, manager.registries)
+        transform.check_applies_to_every_target(before, after, self.targets, manager.registries)
 
     def test_touches_nothing_else(self, transformed):
         manager, _, before, after = transformed
-        allowed = _transform.target_paths(before, self.targets)
+        allowed = transform.target_paths(before, self.targets)
         also = self.also_touches if isinstance(self.also_touches, (tuple, list)) else (self.also_touches,)
         if also:
-            allowed += _transform.target_paths(before, tuple(also))
-        _transform.check_touches_nothing_else(before, after, allowed, manager.registries)
+            allowed += transform.target_paths(before, tuple(also))
+        transform.check_touches_nothing_else(before, after, allowed, manager.registries)
 
     def test_idempotent_or_refuses_a_second_application(self, transformed):
         manager, settings, _, after = transformed
-        _transform.check_idempotent_or_refuses(manager, after, settings, manager.registries)
+        transform.check_idempotent_or_refuses(manager, after, settings, manager.registries)
 
 
 class DecodingConformance:
@@ -288,4 +288,4 @@ class DecodingConformance:
         model = exp.config.model.instantiate(name="model", registries=exp.registries)
         params = model.initialize(jax.random.key(1))
         vocab = int(exp.config.model.vocab_size)
-        _decoding.check_decoding_matches_forward(model, params, vocab=vocab)
+        decoding.check_decoding_matches_forward(model, params, vocab=vocab)

@@ -57,7 +57,7 @@ def axcore_plugin_objects(axcore_plugin_name: str, axcore_plugin: object | None)
 @pytest.fixture
 def axcore_plugin_manager(axcore_plugin_name: str, axcore_plugin_objects: dict):
     """A plugin manager with the built-in plugins and just the plugin under test."""
-    from axcore.plugin.loading import create_plugin_manager
+    from axcore.experiment.builtins import create_plugin_manager
 
     return create_plugin_manager([axcore_plugin_name], objects=axcore_plugin_objects)
 
@@ -71,7 +71,7 @@ def axcore_registries(axcore_plugin_manager):
 @pytest.fixture
 def axcore_tiny_experiment(axcore_plugin_name: str, axcore_plugin_objects: dict):
     """`load(overrides=(), *, source="default", plugins=None)`: a tiny experiment with the plugin listed."""
-    from axcore.testing._training import load_tiny_experiment
+    from axcore.testing.training import load_tiny_experiment
 
     def load(overrides=(), *, source="default", plugins=None):
         listed = [axcore_plugin_name] if plugins is None else list(plugins)
@@ -83,6 +83,6 @@ def axcore_tiny_experiment(axcore_plugin_name: str, axcore_plugin_objects: dict)
 @pytest.fixture
 def axcore_train_steps():
     """`run(experiment, steps=3, learning_rate=0.1)`: the losses of a few SGD steps (checked finite)."""
-    from axcore.testing._training import train_steps
+    from axcore.testing.training import train_steps
 
     return train_steps

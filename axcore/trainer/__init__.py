@@ -1,10 +1,12 @@
-"""Training: the learner (registered optimizers and schedules on optax), objectives, the train step and loop,
-evaluation, and the loop's end-of-run callbacks (sampling, the loss plot)."""
+"""Training: the learner (registered optimizers and schedules on optax), objectives, the train step (which owns
+an `axcore.placement.Placement` and adds the optimizer, the objective and the compiled steps) and loop, and the
+loop's hooks (`RunView`, `LoopHook`; the end-of-run callbacks: sampling, the loss plot)."""
 
 from axcore.learning.objectives import NextToken, Objective, ObjectiveOutput
 from axcore.learning.optimizers import SGD, Adafactor, AdamW, Lion, Optimizer, scale_by_adam
 from axcore.learning.schedules import Constant, Cosine, DecayShape, LinearDecay, Schedule, WarmupStableDecay
 from axcore.trainer.config import CheckpointConfig, SampleConfig, TrainerConfig, WatchdogConfig
+from axcore.trainer.hooks import LoopHook, RunView
 from axcore.trainer.learner import LearnerConfig, StateUpdateError, build_optimizer, learning_rate_schedule
 from axcore.trainer.watchdog import Watchdog
 
@@ -22,7 +24,9 @@ __all__ = [
     "Objective",
     "ObjectiveOutput",
     "LinearDecay",
+    "LoopHook",
     "Optimizer",
+    "RunView",
     "SampleConfig",
     "Schedule",
     "StateUpdateError",

@@ -45,12 +45,11 @@ from jax.experimental import multihost_utils
 from axcore.checkpoint import CheckpointError
 from axcore.config.serialize import from_dict, safe_load
 from axcore.errors import AxcoreError, one_line
+from axcore.placement.backend import make_checkpoint_backend
+from axcore.placement.layout import CONFIG_FILE, checkpoints_path
 from axcore.platform.distributed import is_primary
-from axcore.trainer.config import make_checkpoint_backend
 from axcore.trainer.run_dir import RunDirectory, RunDirectoryError
 
-# The saved config a run directory holds (written by `Experiment.save`).
-CONFIG_FILE = "config.yaml"
 # Its marker of what resolved it, listing the plugin names (axcore.experiment.saved; a layer above this one).
 RESOLVED_KEY = "resolved_by"
 # Differing model settings named in one refusal; the rest are counted.
@@ -89,7 +88,7 @@ def lock_run_directory(path: pathlib.Path, experiment: Any, step: Any, stream: T
             if not isinstance(e, RunDirectoryError):
                 raise
             error = e
-        checkpoints = not run_dir.created and (run_dir.path / "checkpoints").is_dir()
+        checkpoints = not run_dir.created and checkpoints_path(run_dir.path).is_dir()
     if jax.process_count() > 1:  # Every process stops when process 0 could not lock; all read checkpoints/.
         status = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if error is not None else checkpoints)))
         if status == -1 and error is None:
@@ -168,7 +167,7 @@ def finished_step(run_dir: pathlib.Path, trainer_cfg: Any, registries: Any, abst
     it (a backend's constructor and restore may be collectives).
     """
     checkpoint = trainer_cfg.checkpoint
-    directory = run_dir / "checkpoints"
+    directory = checkpoints_path(run_dir)
     if (not checkpoint.resume and checkpoint.restore_step is None) or not directory.is_dir():
         return None
     backend = make_checkpoint_backend(checkpoint.set(keep_last_n=None, async_save=False), registries, directory)

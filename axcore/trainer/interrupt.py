@@ -36,6 +36,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from axcore.placement.layout import config_path
 from axcore.trainer.run_dir import RunDirectory
 
 # Exit status after SIGINT (128 + 2), the shell's convention.
@@ -67,7 +68,7 @@ def resume_command(command: Sequence[str] | None, run_dir: pathlib.Path, run_dir
             chose a timestamped one, which the command must name).
     """
     if command is None:
-        words = ["axcore", "train", str(run_dir / "config.yaml"), "--set", f"trainer.run_dir={run_dir}"]
+        words = ["axcore", "train", str(config_path(run_dir)), "--set", f"trainer.run_dir={run_dir}"]
     else:
         words = [*command, *(() if run_dir_given else ("--set", f"trainer.run_dir={run_dir}"))]
     return shlex.join(words)

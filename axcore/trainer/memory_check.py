@@ -11,7 +11,8 @@ memory shared by the local CPU devices):
    asking XLA to compile it.
 2. `check_compiled_memory`, after compiling the train step ahead of time: XLA's
    `memory_analysis()` peak = arguments + outputs + temporaries - aliased (the same
-   estimate `axcore compile` reports).
+   estimate `axcore compile` reports). `memory_analysis` here is the one place XLA's
+   analysis is read (`axcore.trainer.compile_analysis`, the benchmarks).
 
 Set `trainer.check_memory: false` to skip both.
 """
@@ -26,6 +27,40 @@ import numpy as np
 
 from axcore.data.schema import BATCH_SCHEMA
 from axcore.errors import AxcoreError
+
+# The per-device sizes `axcore compile` reports, in this order (`<field>_size_in_bytes` of XLA's analysis).
+MEMORY_FIELDS = ("argument", "output", "temp", "alias", "generated_code")
+
+
+def memory_analysis(compiled: Any) -> dict[str, int]:
+    """Every byte count of XLA's `compiled.memory_analysis()` (per device), keyed by its attribute name.
+
+    E.g. `argument_size_in_bytes`, `temp_size_in_bytes`, `peak_memory_in_bytes`. Empty if the
+    backend gives no analysis (some raise, some return None).
+    """
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # Not every backend implements it.
+        return {}
+    if stats is None:
+        return {}
+    fields = {}
+    for name in dir(stats):
+        if name.endswith("_in_bytes"):
+            value = getattr(stats, name, None)
+            if value is not None:
+                fields[name] = int(value)
+    return fields
+
+
+def memory_sizes(analysis: dict[str, int]) -> dict[str, int]:
+    """`MEMORY_FIELDS` (short names, bytes per device) present in a `memory_analysis` result, in that order."""
+    return {f: analysis[f"{f}_size_in_bytes"] for f in MEMORY_FIELDS if f"{f}_size_in_bytes" in analysis}
+
+
+def estimated_peak(sizes: dict[str, int]) -> int:
+    """Peak bytes per device = argument + output + temp - alias, of `memory_sizes`'s short names."""
+    return sizes.get("argument", 0) + sizes.get("output", 0) + sizes.get("temp", 0) - sizes.get("alias", 0)
 
 
 class MemoryEstimateError(AxcoreError):
@@ -59,7 +94,7 @@ def device_memory_bytes(device: Any) -> int | None:
     return None
 
 
-def _per_device_bytes(abstract: Any) -> int:
+def per_device_bytes(abstract: Any) -> int:
     """Bytes per device of a tree of ShapeDtypeStructs carrying shardings (largest shard)."""
     total = 0
     for leaf in jax.tree.leaves(abstract):
@@ -76,7 +111,7 @@ def check_state_memory(abstract_state: Any, mesh: jax.sharding.Mesh, batch_token
         mesh: the run's mesh (its first device's memory is the limit).
         batch_tokens: batch_size * seq_len (the host holds every BATCH_SCHEMA field of each token).
     """
-    state = _per_device_bytes(abstract_state)
+    state = per_device_bytes(abstract_state)
     limit = device_memory_bytes(mesh.devices.flat[0])
     if limit is not None and state > limit:
         raise MemoryEstimateError(
@@ -99,16 +134,10 @@ def check_compiled_memory(compiled: Any, mesh: jax.sharding.Mesh) -> int | None:
 
     Returns the estimated peak bytes per device (None if the backend gives no memory analysis).
     """
-    try:
-        stats = compiled.memory_analysis()
-    except Exception:  # Not every backend implements it.
+    sizes = memory_sizes(memory_analysis(compiled))
+    if not sizes:
         return None
-    if stats is None:
-        return None
-    peak = sum(
-        int(getattr(stats, f"{field}_size_in_bytes", 0) or 0) * sign
-        for field, sign in (("argument", 1), ("output", 1), ("temp", 1), ("alias", -1))
-    )
+    peak = estimated_peak(sizes)
     limit = device_memory_bytes(mesh.devices.flat[0])
     if limit is not None and peak > limit:
         raise MemoryEstimateError(

@@ -1,7 +1,7 @@
 """Resuming training from a checkpoint: a full train state, or parameters only (an import).
 
 A *parameters-only* checkpoint holds the tree `{"params": ...}` and the metadata
-`params_only_metadata(step, seed)`: `{"params_only": true, "step": N, "seed": S, "input":
+`axcore.placement.backend.params_only_metadata(step, seed)`: `{"params_only": true, "step": N, "seed": S, "input":
 null}` (no input position: training from it reads its data from the beginning; older
 imports' `{"epoch": 0, "position": 0}` is ignored the same way). It is what `axcore.inference.run_loading.save_model` (and so
 `axcore convert hf-to-axcore`) writes: no optimizer moments, which are a fresh optimizer's
@@ -20,7 +20,6 @@ whose metadata says `params_only` is resumed without its optimizer state.
 from __future__ import annotations
 
 import os
-import pathlib
 from collections.abc import Callable
 from typing import Any
 
@@ -28,16 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from axcore.checkpoint import CheckpointError, CheckpointNotFoundError, restore_verified
-from axcore.trainer.config import make_checkpoint_backend
+from axcore.placement.backend import PARAMS_ONLY, make_checkpoint_backend
+from axcore.placement.layout import CHECKPOINTS_DIR, checkpoints_path
 from axcore.trainer.step import OBJECTIVE_STATE
-
-# Metadata key marking a parameters-only checkpoint.
-PARAMS_ONLY = "params_only"
-
-
-def params_only_metadata(step: int, seed: int) -> dict:
-    """The metadata of a parameters-only checkpoint of `step` whose PRNG key comes from `seed`."""
-    return {PARAMS_ONLY: True, "step": int(step), "seed": int(seed), "input": None}
 
 
 def restore_train_state(
@@ -45,7 +37,7 @@ def restore_train_state(
 ) -> tuple[dict, dict, bool]:
     """`(state, metadata, params_only)`: the train state of `step` (None: the latest that verifies).
 
-    `trainer` is the `Trainer` or `TrainStep` resuming (its `abstract_state()`, `optimizer`,
+    `trainer` is the `TrainStep` resuming (its `abstract_state()`, `optimizer`,
     `objective` and `state_shardings`). Lines from `restore_verified` (steps skipped) go to `report`,
     only for the attempt that succeeds.
 
@@ -106,11 +98,11 @@ def init_from_run(trainer: Any, base: str, report: Callable[[str], None]) -> dic
         CheckpointError: the base has no committed step, or its parameters do not fit
             the model (the message names `init_from` and the base run).
     """
-    directory = pathlib.Path(os.path.expanduser(base)) / "checkpoints"
+    directory = checkpoints_path(os.path.expanduser(base))
     cfg = trainer.cfg.trainer
     if not directory.is_dir():  # Checked first: a backend would create the directory.
-        raise CheckpointNotFoundError(f"init_from: run '{base}' has no checkpoints/ directory; point it at a trained "
-                                      f"or imported run.")
+        raise CheckpointNotFoundError(f"init_from: run '{base}' has no {CHECKPOINTS_DIR}/ directory; point it at a "
+                                      f"trained or imported run.")
     settings = cfg.checkpoint.set(keep_last_n=None, async_save=False)  # Read only: nothing is saved or deleted.
     backend = make_checkpoint_backend(settings, trainer.experiment.registries, directory)
     try:

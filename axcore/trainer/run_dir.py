@@ -35,10 +35,8 @@ import socket
 
 from axcore.errors import AxcoreError
 
-LOCK_FILE = ".lock"
-FAILED_FILE = "FAILED"
-# Marks a run stopped by Ctrl-C; holds the line saying what was saved and how to resume.
-INTERRUPTED_FILE = "INTERRUPTED"
+# The lock file and the markers of a stopped run (axcore.placement.layout states the run directory's names).
+from axcore.placement.layout import FAILED_FILE, INTERRUPTED_FILE, LOCK_FILE
 
 
 class RunDirectoryError(AxcoreError):

@@ -1,7 +1,8 @@
 """The train step object: an experiment's state, shardings and jitted steps, without a run.
 
-`TrainStep(experiment)` builds the model, the objective (`trainer.objective`), the
-learner and the mesh, and derives, without allocating anything:
+`TrainStep(experiment)` owns the experiment's placement (`axcore.placement.Placement`:
+mesh, axis rules, model, tokenizer, parameter and batch shardings, op environment), adds
+the objective (`trainer.objective`) and the learner, and derives, without allocating anything:
 
 - the train state (a plain dict, so every checkpoint backend can store it):
   `{"params", "opt_state", "step": int32 [], "prng_key": uint32 key data}`, plus
@@ -19,8 +20,8 @@ learner and the mesh, and derives, without allocating anything:
   recording the kernel each op got and refusing a step too big for the device memory.
 
 It creates no run directory, prints nothing and talks to no other process, so
-`axcore.inference.run_loading`, `axcore.inference.evaluation` and `axcore.cli.compile` build one cheaply;
-the training loop (`axcore.trainer.trainer.Trainer`) holds one.
+`axcore.cli.compile` builds one cheaply; the training loop (`axcore.trainer.trainer.Trainer`)
+holds one. Run loading and evaluation build only the placement (no optimizer state).
 """
 
 from __future__ import annotations
@@ -34,13 +35,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from axcore.data.device_loader import DeviceLoader, shard_layout
-from axcore.data.schema import BATCH_SCHEMA
-from axcore.errors import ConfigError
-from axcore.kernels import describe_kernel_choices, op_environment, record_kernel_choices
+from axcore.data.device_loader import DeviceLoader
+from axcore.kernels import describe_kernel_choices, record_kernel_choices
 from axcore.learning.objectives import Objective
-from axcore.platform.sharding import batch_sharding, check_batch_size, make_mesh, parameter_shardings, resolve_rules
-from axcore.trainer.evaluate import EvalTotals, accumulate_step, run_evaluation
+from axcore.placement.evaluate import EvalTotals, Evaluator
+from axcore.placement.placement import Placement
 from axcore.trainer.gradients import accumulated_gradients
 from axcore.trainer.learner import (
     apply_state_updates,
@@ -127,36 +126,24 @@ class TrainStep:
         """
         self.experiment = experiment
         self.cfg = cfg = experiment.config
-        self.mesh = make_mesh(cfg.mesh.mesh_shape, cfg.mesh.mesh_axis_names, devices)
-        # Logical -> mesh axes: the mesh rule's axis_rules over axcore.platform.sharding.DEFAULT_AXIS_RULES.
-        self.axis_rules = resolve_rules(cfg.mesh.axis_rules)
-        self.model = cfg.model.instantiate(name="model", registries=experiment.registries)
-        BATCH_SCHEMA.check_accepted(self.model.accepted_batch_fields(), f"model ({type(self.model).__name__})")
-        # Tokenizes text sources (and prompts); checked against the model's vocabulary.
-        self.tokenizer = cfg.tokenizer.instantiate()
-        model_vocab = cfg.model.vocab_size if "vocab_size" in cfg.model.keys() else None
-        if isinstance(model_vocab, int) and self.tokenizer.vocab_size > model_vocab:
-            raise ConfigError(
-                f"The tokenizer ({type(self.tokenizer).__name__}) has {self.tokenizer.vocab_size} token ids but "
-                f"model.vocab_size is {model_vocab}; set model.vocab_size to at least {self.tokenizer.vocab_size}."
-            )
+        # The mesh, axis rules, model, tokenizer, parameter and batch shardings, op environment.
+        self.placement = placement = Placement(experiment, devices=devices)
+        self.mesh, self.axis_rules, self.model = placement.mesh, placement.axis_rules, placement.model
+        self.tokenizer = placement.tokenizer
+        self.batch_sharding, self.shard_layout = placement.batch_sharding, placement.shard_layout
         tcfg = cfg.trainer
         # The loss the step differentiates (axcore.learning.objectives).
         self.objective: Objective = tcfg.objective.instantiate()
+        # The eval step and loop of the placement under the objective (what `axcore eval` builds alone).
+        self.evaluator = Evaluator(placement, self.objective)
         # The model's specs, those learner.trainable does not match frozen.
-        specs = restrict_trainable(self.model.parameter_specs(), tcfg.learner.trainable)
+        specs = restrict_trainable(placement.specs, tcfg.learner.trainable)
         # Whether each parameter is trainable (a tree like the parameters, of Python bools).
         self.trainable = trainable_mask(specs)
         # Whether each (non-trainable) parameter's new value is the step's gradient of it.
         self.overwrite_with_gradient = overwrite_with_gradient_mask(specs)
         self.optimizer, self.schedule = build_optimizer(tcfg.learner, specs, tcfg.max_steps)
-        check_batch_size(cfg.input.batch_size, self.mesh, self.axis_rules)
-        self.batch_sharding = batch_sharding(self.mesh, self.axis_rules)
-        # The data shards this process reads (ConfigError when input.data_shards does not fit the layout).
-        self.shard_layout = shard_layout(self.batch_sharding, (cfg.input.batch_size, cfg.input.seq_len),
-                                         cfg.input.data_shards)
-        # Raises ConfigError naming a parameter whose dims do not divide their mesh axes.
-        self.state_shardings = self._state_shardings(parameter_shardings(specs, self.axis_rules, self.mesh))
+        self.state_shardings = self._state_shardings(placement.param_shardings)
 
     # -- State ------------------------------------------------------------------------
 
@@ -200,13 +187,13 @@ class TrainStep:
 
     def abstract_batch(self) -> dict:
         """One batch (`BATCH_SCHEMA` fields, `[batch_size, seq_len]`) as ShapeDtypeStructs with `batch_sharding`."""
-        return BATCH_SCHEMA.shapes(self.cfg.input.batch_size, self.cfg.input.seq_len, self.batch_sharding)
+        return self.placement.abstract_batch()
 
     # -- Steps ------------------------------------------------------------------------
 
     def op_environment(self):
         """Makes the mesh and axis rules visible to the kernels of ops traced inside (a context manager)."""
-        return op_environment(self.mesh, self.axis_rules, instance_type=self.cfg.mesh.instance_type)
+        return self.placement.op_environment()
 
 
     def train_step(self, state: dict, batch: dict) -> tuple[dict, dict]:
@@ -246,8 +233,7 @@ class TrainStep:
 
     def eval_step(self, params: dict, batch: dict) -> dict:
         """`{"xent_sum", "tokens"}` of one held-out batch (the objective's `eval_sums`; not jitted)."""
-        with self.op_environment():
-            return self.objective.eval_sums(self.model, params, batch)
+        return self.evaluator.eval_step(params, batch)
 
     def compiled_train_step(self):
         """The jitted train step (state donated, explicit in/out shardings)."""
@@ -260,11 +246,7 @@ class TrainStep:
 
     def compiled_eval_step(self):
         """`(params, batch, totals) -> totals`, jitted: adds a batch's weighted cross-entropy and weights on device."""
-        return jax.jit(
-            accumulate_step(self.eval_step),
-            in_shardings=(self.state_shardings["params"], self.batch_sharding, None),
-            donate_argnums=2,
-        )
+        return self.evaluator.compiled_eval_step()
 
     def compile(self, train_step: Any = None, *, check_memory: bool | None = None) -> CompiledTrainStep:
         """Compiles `train_step` (default `compiled_train_step()`) ahead, on abstract inputs (nothing allocated).
@@ -287,19 +269,12 @@ class TrainStep:
 
     def loader(self, pipeline: Any, where: str = "The eval split's batch") -> DeviceLoader:
         """`pipeline`'s host batches (this process's rows) as batches on the devices, with `batch_sharding`."""
-        shape = (self.cfg.input.batch_size, self.cfg.input.seq_len)
-        return DeviceLoader(pipeline, self.batch_sharding, shape, local_rows=self.shard_layout.local_rows, where=where)
+        return self.placement.loader(pipeline, where)
 
     def evaluate(self, params: dict, loader: Any, max_batches: int | None, *, eval_step: Any = None,
                  progress: Any = None) -> EvalTotals:
-        """Held-out loss of `params` over `loader`'s batches (axcore.trainer.evaluate), at most `max_batches`
-        (None or 0: all); closes `loader`. `eval_step`: a `compiled_eval_step()` to reuse; `progress`:
-        called `(batches, tokens)` after each batch."""
-        eval_step = eval_step or self.compiled_eval_step()
-        try:
-            return run_evaluation(eval_step, params, loader, max_batches, progress)
-        finally:
-            loader.close()
+        """Held-out loss of `params` over `loader`'s batches (`axcore.placement.evaluate.Evaluator.evaluate`)."""
+        return self.evaluator.evaluate(params, loader, max_batches, eval_step=eval_step, progress=progress)
 
 
 __all__ = ["OBJECTIVE_STATE", "CompiledTrainStep", "TrainStep", "opt_state_shardings"]

@@ -45,10 +45,10 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
-from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
+from axcore.kernels import SUPPORTED, AttentionProblem, Support
 from axcore.kernels.attention_sharding import attention_mesh_layout
+from axcore.kernels.fused_attention import DECLINED_INPUTS, FusedAttentionKernel
 
 from axcore_gpu.devices import cuda_compute_capability
 
@@ -100,7 +100,7 @@ def mapped_attention(
 mesh_layout = attention_mesh_layout
 
 
-class CudnnAttention:
+class CudnnAttention(FusedAttentionKernel):
     """cuDNN flash attention (module docstring: mapping, declines, sharding).
 
     Args:
@@ -112,6 +112,10 @@ class CudnnAttention:
 
     name = "cudnn"
     priority = 100
+    # Segment ids too: jax.nn.dot_product_attention takes none (is_supported says why).
+    declined_inputs = ("q_segment_ids", "kv_segment_ids", *DECLINED_INPUTS)
+    # The sharded call has no Pallas loop to type: shard_map checks it.
+    check_vma = True
 
     def __init__(
         self,
@@ -122,7 +126,7 @@ class CudnnAttention:
         self.implementation = implementation
         self.compute_capability = compute_capability
 
-    def is_supported(self, problem: AttentionProblem) -> Support:
+    def check(self, problem: AttentionProblem) -> Support:
         if problem.platform != "gpu":
             return Support(False, f"platform is '{problem.platform}'; cuDNN attention runs on CUDA GPUs")
         if np.dtype(problem.dtype) not in CUDNN_DTYPES:
@@ -134,15 +138,8 @@ class CudnnAttention:
         if capability < MIN_COMPUTE_CAPABILITY:
             major, minor = capability
             return Support(False, f"compute capability {major}.{minor}: cuDNN flash attention needs 8.0+")
-        for support in (
-            self._check_shape(problem, capability),
-            self._check_capabilities(problem),
-            mesh_layout(problem)[0],
-            unknown_extras(problem),
-        ):
-            if not support:
-                return support
-        return SUPPORTED
+        support = self._check_shape(problem, capability)
+        return support if not support else self._check_capabilities(problem)
 
     @staticmethod
     def _check_shape(problem: AttentionProblem, capability: tuple[int, int]) -> Support:
@@ -194,44 +191,5 @@ class CudnnAttention:
             )
         return SUPPORTED
 
-    def __call__(
-        self,
-        problem: AttentionProblem,
-        q,
-        k,
-        v,
-        *,
-        kv_mask=None,
-        q_segment_ids=None,
-        kv_segment_ids=None,
-        q_positions=None,
-        kv_positions=None,
-        bias=None,
-        dropout_key=None,
-    ):
-        given = {
-            "q_segment_ids": q_segment_ids,
-            "kv_segment_ids": kv_segment_ids,
-            "q_positions": q_positions,
-            "kv_positions": kv_positions,
-            "bias": bias,
-            "dropout_key": dropout_key,
-        }
-        unexpected = sorted(name for name, value in given.items() if value is not None)
-        if unexpected:
-            raise ValueError(f"cudnn attention was given {unexpected}, which is_supported declines.")
-        support, specs = mesh_layout(problem)
-        if not support:
-            raise ValueError(f"cudnn attention cannot run this sharding: {support.reason}.")
-
-        def attend(q, k, v, *mask):
-            return mapped_attention(problem, q, k, v, *mask, implementation=self.implementation)
-
-        arrays = (q, k, v) if kv_mask is None else (q, k, v, kv_mask)
-        if specs is None:
-            return attend(*arrays)
-        q_spec, kv_spec = specs
-        in_specs = (q_spec, kv_spec, kv_spec) + (() if kv_mask is None else (PartitionSpec(q_spec[0], None),))
-        # Each shard attends its own rows and heads; axes the specs leave out replicate it.
-        sharded = jax.shard_map(attend, mesh=problem.mesh, in_specs=in_specs, out_specs=q_spec)
-        return sharded(*arrays)
+    def attend(self, problem: AttentionProblem, q, k, v, kv_mask=None):
+        return mapped_attention(problem, q, k, v, kv_mask, implementation=self.implementation)

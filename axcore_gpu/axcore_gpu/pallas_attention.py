@@ -52,7 +52,6 @@ key for them instead, so the two differ only on such rows.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -60,129 +59,26 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
-from jax.sharding import PartitionSpec
 
-from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
-from axcore.kernels.attention_sharding import checked_call_layout
+from axcore.kernels import SUPPORTED, AttentionProblem, Support
+from axcore.kernels.fused_attention import FusedAttentionKernel
 
-from axcore_gpu.cudnn_attention import mesh_layout
+from axcore_gpu.pallas_attention_backward import flash_backward
+from axcore_gpu.pallas_common import (
+    MASK_VALUE,
+    MAX_HEAD_DIM,
+    MIN_BLOCK,
+    PALLAS_DTYPES,
+    FlashConfig,
+    dot,
+    key_block_range,
+    logits_and_mask,
+    optional_inputs,
+    out_struct,
+    split_refs,
+    within_segments,
+)
 from axcore_gpu.pallas_segment_ranges import visible_block_ranges
-
-# Dtypes of q, k, v the kernel takes (Triton dots in bf16/f16 with f32 accumulation, or f32).
-PALLAS_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
-# Largest head_dim: [block, head_dim] tiles of q, k, v and the float32 accumulator must fit on chip.
-MAX_HEAD_DIM = 256
-# Smallest tile edge Triton's dot takes.
-MIN_BLOCK = 16
-# Logit of a masked key: finite, so a row max over masked keys stays finite (no inf - inf).
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
-
-@dataclasses.dataclass(frozen=True)
-class FlashConfig:
-    """Static description of one (padded) call, shared by the forward and backward kernels."""
-
-    scale: float
-    causal: bool
-    window: int | None
-    softcap: float | None
-    q_len: int  # True lengths; the arrays are padded to q_pad, kv_pad.
-    kv_len: int
-    q_pad: int
-    kv_pad: int
-    group: int  # Query heads per kv head.
-    block_q: int
-    block_k: int
-    block_q_bwd: int
-    block_k_bwd: int
-    has_segments: bool
-    # With segment ids: bound the block loops by the blocks each tile's segments reach (pallas_segment_ranges).
-    segment_ranges: bool
-    has_kv_mask: bool
-    float32: bool
-    interpret: bool
-    num_warps: int
-    num_stages: int
-
-    def compiler_params(self):
-        return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
-
-
-def dot(cfg: FlashConfig, a, b, *, trans_a=False, trans_b=False):
-    """`a @ b` in float32 (IEEE for float32 inputs, where Triton would default to TF32)."""
-    precision = lax.Precision.HIGHEST if cfg.float32 else None
-    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
-
-
-def logits_and_mask(cfg: FlashConfig, q, k, rows, cols, q_seg=None, kv_seg=None, kv_keep=None):
-    """Soft-capped logits `[rows, cols]` float32 (unmasked) and the visibility mask (None: all visible)."""
-    s = dot(cfg, q, k, trans_b=True) * cfg.scale
-    if cfg.softcap is not None:
-        s = cfg.softcap * jnp.tanh(s / cfg.softcap)
-    offset = cfg.kv_len - cfg.q_len
-    parts = []
-    if cfg.causal:
-        parts.append(cols[None, :] <= rows[:, None] + offset)
-    if cfg.window is not None:
-        parts.append(rows[:, None] + offset - cols[None, :] < cfg.window)
-    if cfg.kv_pad != cfg.kv_len:
-        parts.append(jnp.broadcast_to(cols[None, :] < cfg.kv_len, s.shape))
-    if q_seg is not None:
-        parts.append(q_seg[:, None] == kv_seg[None, :])
-    if kv_keep is not None:
-        parts.append(jnp.broadcast_to(kv_keep[None, :] != 0, s.shape))
-    mask = None
-    for part in parts:
-        mask = part if mask is None else mask & part
-    return s, mask
-
-
-def _cdiv(x, d: int):
-    """Ceil division of a nonnegative traced int by a static int (lax.div truncates)."""
-    return lax.div(x + (d - 1), d)
-
-
-def key_block_range(cfg: FlashConfig, q_block, block_q: int, block_k: int):
-    """`[lo, hi)` key blocks holding any key visible to query block `q_block`."""
-    offset = cfg.kv_len - cfg.q_len
-    lo, hi = 0, _cdiv(jnp.int32(cfg.kv_len), block_k)  # Blocks of padding keys only: skipped.
-    if cfg.causal:  # Last visible key of the block's last row: (q_block + 1) * block_q - 1 + offset.
-        hi = jnp.minimum(hi, _cdiv(jnp.maximum((q_block + 1) * block_q + offset, 0), block_k))
-    if cfg.window is not None:  # First visible key of its first row: q_block * block_q + offset - window + 1.
-        lo = lax.div(jnp.maximum(q_block * block_q + offset - cfg.window + 1, 0), block_k)
-    return lo, hi
-
-
-def query_block_range(cfg: FlashConfig, k_block, block_q: int, block_k: int):
-    """`[lo, hi)` query blocks holding any query that sees a key of key block `k_block`."""
-    offset = cfg.kv_len - cfg.q_len
-    lo, hi = 0, _cdiv(jnp.int32(cfg.q_len), block_q)  # Blocks of padding rows only: skipped.
-    if cfg.causal:  # First row seeing the block's first key: k_block * block_k - offset.
-        lo = lax.div(jnp.maximum(k_block * block_k - offset, 0), block_q)
-    if cfg.window is not None:  # Rows seeing its last key: r < (k_block + 1) * block_k - 1 - offset + window.
-        hi = jnp.minimum(hi, _cdiv(jnp.maximum((k_block + 1) * block_k - 1 - offset + cfg.window, 0), block_q))
-    return lo, hi
-
-
-def split_refs(cfg: FlashConfig, refs):
-    """(q, k, v, q_seg, kv_seg, kv_keep) refs, the segments' block range ref, then the rest; absent ones None."""
-    q_ref, k_ref, v_ref, *rest = refs
-    q_seg_ref = kv_seg_ref = keep_ref = range_ref = None
-    if cfg.has_segments:
-        q_seg_ref, kv_seg_ref, *rest = rest
-    if cfg.has_kv_mask:
-        keep_ref, *rest = rest
-    if cfg.has_segments and cfg.segment_ranges:
-        range_ref, *rest = rest
-    return (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, keep_ref), range_ref, rest
-
-
-def within_segments(range_ref, lo, hi):
-    """`[lo, hi)` narrowed to the blocks the segments leave visible (`pallas_segment_ranges`), if any."""
-    if range_ref is None:
-        return lo, hi
-    return jnp.maximum(lo, range_ref[0]), jnp.minimum(hi, range_ref[1])
 
 
 def _forward_kernel(*refs, cfg: FlashConfig):
@@ -220,19 +116,6 @@ def _forward_kernel(*refs, cfg: FlashConfig):
     empty = l == 0.0  # No visible key: output 0, and lse +inf so the backward's probabilities are 0.
     o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-
-
-def out_struct(like, shape, dtype) -> jax.ShapeDtypeStruct:
-    """An output of a pallas_call varying over the same mesh axes as `like` (inside jax.shard_map)."""
-    mat = getattr(jax.typeof(like), "mat", None)  # The manual axes `like` varies over.
-    return jax.ShapeDtypeStruct(shape, dtype, **({} if mat is None else {"manual_axis_type": mat}))
-
-
-def optional_inputs(cfg: FlashConfig, q_seg, kv_seg, kv_keep, ranges=None):
-    """The optional kernel inputs in `split_refs` order (segment ids, key mask, the segments' block ranges)."""
-    return ((q_seg, kv_seg) if cfg.has_segments else ()) + ((kv_keep,) if cfg.has_kv_mask else ()) + (
-        (ranges,) if ranges is not None else ()
-    )
 
 
 def flash_forward(cfg: FlashConfig, q, k, v, q_seg, kv_seg, kv_keep):
@@ -280,9 +163,6 @@ def _flash_fwd(cfg: FlashConfig, q, k, v, q_seg, kv_seg, kv_keep):
 
 
 def _flash_bwd(cfg: FlashConfig, residuals, d_out):
-    # Imported here: the backward module imports this one's helpers.
-    from axcore_gpu.pallas_attention_backward import flash_backward
-
     dq, dk, dv = flash_backward(cfg, *residuals, d_out)
     return dq, dk, dv, None, None, None  # Segment ids and the key mask get no cotangent.
 
@@ -379,7 +259,7 @@ def _is_block(block: int) -> bool:
     return block >= MIN_BLOCK and block & (block - 1) == 0
 
 
-class PallasAttention:
+class PallasAttention(FusedAttentionKernel):
     """Pallas/Triton flash attention (module docstring: semantics, declines, block sizes).
 
     Args:
@@ -422,7 +302,7 @@ class PallasAttention:
         self.options = dict(blocks, num_warps=num_warps, num_stages=num_stages, segment_ranges=segment_ranges,
                             interpret=interpret)
 
-    def is_supported(self, problem: AttentionProblem) -> Support:
+    def check(self, problem: AttentionProblem) -> Support:
         if problem.platform != "gpu" and not self.interpret:
             return Support(
                 False, f"platform is '{problem.platform}'; Pallas Triton attention runs on GPUs (or interpret=True)"
@@ -449,53 +329,11 @@ class PallasAttention:
                 return Support(False, f"does not implement {what}")
         if problem.sliding_window is not None and problem.sliding_window < 1:
             return Support(False, f"sliding_window {problem.sliding_window} < 1")
-        for support in (mesh_layout(problem)[0], unknown_extras(problem)):
-            if not support:
-                return support
         return SUPPORTED
 
-    def __call__(
-        self,
-        problem: AttentionProblem,
-        q,
-        k,
-        v,
-        *,
-        kv_mask=None,
-        q_segment_ids=None,
-        kv_segment_ids=None,
-        q_positions=None,
-        kv_positions=None,
-        bias=None,
-        dropout_key=None,
-    ):
-        specs = checked_call_layout(
-            "pallas", problem, mesh_layout, q_segment_ids, kv_segment_ids,
-            q_positions=q_positions, kv_positions=kv_positions, bias=bias, dropout_key=dropout_key,
+    def attend(self, problem: AttentionProblem, q, k, v, **rows):
+        """`rows`: `q_segment_ids` and `kv_segment_ids`, `kv_mask`, those given."""
+        return flash_attention(
+            q, k, v, scale=problem.scale, causal=problem.causal, sliding_window=problem.sliding_window,
+            softcap=problem.softcap, **rows, **self.options,
         )
-        with_segments, with_mask = q_segment_ids is not None, kv_mask is not None
-
-        def attend(q, k, v, *extra):
-            extra = list(extra)
-            inputs = {}
-            if with_segments:
-                inputs["q_segment_ids"], inputs["kv_segment_ids"] = extra.pop(0), extra.pop(0)
-            if with_mask:
-                inputs["kv_mask"] = extra.pop(0)
-            return flash_attention(
-                q, k, v, scale=problem.scale, causal=problem.causal, sliding_window=problem.sliding_window,
-                softcap=problem.softcap, **inputs, **self.options,
-            )
-
-        extra = ((q_segment_ids, kv_segment_ids) if with_segments else ()) + ((kv_mask,) if with_mask else ())
-        if specs is None:
-            return attend(q, k, v, *extra)
-        q_spec, kv_spec = specs
-        rows = PartitionSpec(q_spec[0], None)  # Segment ids and the key mask: [batch, length].
-        in_specs = (q_spec, kv_spec, kv_spec) + (rows,) * len(extra)
-        # Each shard attends its own rows and heads; axes the specs leave out replicate it.
-        # check_vma=False: Pallas interpret mode (the CPU tests) cannot type its grid loop's
-        # carry under check_vma=True; the GPU lowering works either way (out_struct), and one
-        # path keeps the tested one the one that runs.
-        sharded = jax.shard_map(attend, mesh=problem.mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)
-        return sharded(q, k, v, *extra)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from axcore_gpu.pallas_attention import (
+from axcore_gpu.pallas_common import (
     FlashConfig,
     dot,
     key_block_range,

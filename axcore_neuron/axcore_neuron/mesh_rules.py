@@ -83,7 +83,7 @@ RULES: tuple[tuple[str, str, NeuronKind], ...] = (
 def _registries(registries: Any) -> Any:
     if registries is not None:
         return registries
-    from axcore.plugin.loading import builtin_registries  # Deferred: only when called without a manager.
+    from axcore.experiment.builtins import builtin_registries  # Deferred: only when called without a manager.
 
     return builtin_registries()
 

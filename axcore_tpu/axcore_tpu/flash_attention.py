@@ -37,11 +37,9 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash
 
-from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
-from axcore.kernels.attention_sharding import checked_call_layout
+from axcore.kernels import SUPPORTED, AttentionProblem, Support
 
-from axcore_tpu.sharding import mesh_layout, run_sharded
-from axcore_tpu.splash_attention import check_common, effective_window, pad_head_dim, segment_ids_with_mask
+from axcore_tpu.splash_attention import TpuAttentionKernel, check_common, effective_window, pad_head_dim
 
 # What `force_tpu_interpret_mode` passes as every traced pallas_call's `interpret`: True is Pallas's
 # generic interpreter (the one splash's `interpret=True` uses). Its default, TPU interpret mode
@@ -75,7 +73,7 @@ def interpreted(fn):
     return call
 
 
-class PallasTpuAttention:
+class PallasTpuAttention(TpuAttentionKernel):
     """JAX's Pallas TPU flash attention (module docstring: mapping, declines).
 
     Args:
@@ -90,7 +88,7 @@ class PallasTpuAttention:
         self.interpret = interpret
         self.priority = priority
 
-    def is_supported(self, problem: AttentionProblem) -> Support:
+    def check(self, problem: AttentionProblem) -> Support:
         support = check_common(problem, interpret=self.interpret, what="Pallas TPU flash attention")
         if not support:
             return support
@@ -104,48 +102,23 @@ class PallasTpuAttention:
             return Support(False, "does not implement a sliding window")
         if problem.softcap is not None:
             return Support(False, "does not implement a logit soft-cap")
-        for support in (mesh_layout(problem)[0], unknown_extras(problem)):
-            if not support:
-                return support
         return SUPPORTED
 
-    def __call__(
-        self,
-        problem: AttentionProblem,
-        q,
-        k,
-        v,
-        *,
-        kv_mask=None,
-        q_segment_ids=None,
-        kv_segment_ids=None,
-        q_positions=None,
-        kv_positions=None,
-        bias=None,
-        dropout_key=None,
-    ):
-        specs = checked_call_layout(
-            "pallas_tpu", problem, mesh_layout, q_segment_ids, kv_segment_ids,
-            q_positions=q_positions, kv_positions=kv_positions, bias=bias, dropout_key=dropout_key,
-        )
-        ids = segment_ids_with_mask(q.shape[0], q.shape[1], k.shape[1], q_segment_ids, kv_segment_ids, kv_mask)
+    def attend(self, problem: AttentionProblem, q, k, v, q_segment_ids=None, kv_segment_ids=None):
+        head_dim, group = q.shape[-1], q.shape[2] // k.shape[2]
+        if group > 1:  # The kernel takes one kv head per query head.
+            k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        qs, ks, vs = (pad_head_dim(jnp.swapaxes(x, 1, 2)) for x in (q, k, v))
+        rows = () if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
 
-        def attend(q, k, v, *rows):
-            head_dim, group = q.shape[-1], q.shape[2] // k.shape[2]
-            if group > 1:  # The kernel takes one kv head per query head.
-                k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-            qs, ks, vs = (pad_head_dim(jnp.swapaxes(x, 1, 2)) for x in (q, k, v))
+        def flash(qs, ks, vs, *rows):
+            segments = tpu_flash.SegmentIds(q=rows[0], kv=rows[1]) if rows else None
+            return tpu_flash.flash_attention(
+                qs, ks, vs, segment_ids=segments, causal=bool(problem.causal), sm_scale=float(problem.scale)
+            )
 
-            def flash(qs, ks, vs, *rows):
-                segments = tpu_flash.SegmentIds(q=rows[0], kv=rows[1]) if rows else None
-                return tpu_flash.flash_attention(
-                    qs, ks, vs, segment_ids=segments, causal=bool(problem.causal), sm_scale=float(problem.scale)
-                )
-
-            out = (interpreted(flash) if self.interpret else flash)(qs, ks, vs, *rows)
-            return jnp.swapaxes(out[..., :head_dim], 1, 2).astype(q.dtype)
-
-        return run_sharded(problem, specs, attend, q, k, v, *(ids or ()))
+        out = (interpreted(flash) if self.interpret else flash)(qs, ks, vs, *rows)
+        return jnp.swapaxes(out[..., :head_dim], 1, 2).astype(q.dtype)
 
 
 __all__ = ["PallasTpuAttention"]

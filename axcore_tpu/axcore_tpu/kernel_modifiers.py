@@ -36,7 +36,7 @@ def int8_dot(paths: str = DECODER_LAYERS) -> Modifier:
         from axcore.layers.base import BaseLayer
 
         if registries is None:
-            from axcore.plugin.loading import builtin_registries  # Deferred: the plugin manager imports modifiers.
+            from axcore.experiment.builtins import builtin_registries  # Deferred: the plugin manager imports modifiers.
 
             registries = builtin_registries()
         names = sorted(k.name for k in registries.kernels.candidates("dot"))

@@ -103,7 +103,7 @@ def remat_offload(paths: str = DECODER_LAYERS) -> Modifier:
                 f"memory: {why}; it needs {' or '.join(HOST_OFFLOAD_PLATFORMS)}. Use remat (e.g. policy full) instead."
             )
         if registries is None:
-            from axcore.plugin.loading import builtin_registries  # Deferred: the plugin manager imports modifiers.
+            from axcore.experiment.builtins import builtin_registries  # Deferred: the plugin manager imports modifiers.
 
             registries = builtin_registries()
         targets = matching_configs(self, config, registries, pattern, BaseLayer, "layer", outermost=True)

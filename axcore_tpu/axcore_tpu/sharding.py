@@ -1,4 +1,5 @@
-"""Where an attention kernel of this package may run under a device mesh, and how.
+"""Where an attention kernel of this package may run under a device mesh (the sharded call itself is
+`axcore.kernels.fused_attention.run_sharded`).
 
 Both TPU attention kernels compute one device's batch rows and heads at a time; under
 a multi-device mesh whose input specs shard batch and/or heads they run inside
@@ -29,21 +30,3 @@ def mesh_layout(problem: AttentionProblem) -> tuple[Support, tuple[PartitionSpec
                 f"mesh axes sharding them",
             ), None
     return support, specs
-
-
-def run_sharded(problem: AttentionProblem, specs, attend, q, k, v, *rows):
-    """`attend(q, k, v, *rows)`, under `jax.shard_map` over `specs` (from `mesh_layout`) when not None.
-
-    `rows` are `[batch, length]` arrays (segment ids), sharded like q's batch.
-    """
-    import jax
-
-    if specs is None:
-        return attend(q, k, v, *rows)
-    q_spec, kv_spec = specs
-    row_spec = PartitionSpec(q_spec[0], None)
-    in_specs = (q_spec, kv_spec, kv_spec) + (row_spec,) * len(rows)
-    # check_vma=False: Pallas interpret mode (the CPU tests) cannot type its grid loop's carry
-    # under check_vma=True; one path keeps the tested one the one that runs on a TPU.
-    sharded = jax.shard_map(attend, mesh=problem.mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)
-    return sharded(q, k, v, *rows)

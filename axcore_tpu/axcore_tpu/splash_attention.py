@@ -56,10 +56,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from axcore.kernels import SUPPORTED, AttentionProblem, Support, unknown_extras
-from axcore.kernels.attention_sharding import checked_call_layout
+from axcore.kernels import SUPPORTED, AttentionProblem, Support
+from axcore.kernels.fused_attention import FusedAttentionKernel
 
-from axcore_tpu.sharding import mesh_layout, run_sharded
+from axcore_tpu.sharding import mesh_layout
 
 # Dtypes of q, k, v the TPU kernels take.
 TPU_ATTENTION_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float32))
@@ -175,7 +175,19 @@ def _kernel(heads, q_len, kv_len, causal, window, softcap, block_q, block_kv, in
         )
 
 
-class SplashAttention:
+class TpuAttentionKernel(FusedAttentionKernel):
+    """The tail both TPU kernels share: this package's mesh layout, and the key mask folded into segment ids."""
+
+    def mesh_layout(self, problem: AttentionProblem):
+        return mesh_layout(problem)
+
+    def rows(self, problem: AttentionProblem, q, k, *, kv_mask, q_segment_ids, kv_segment_ids):
+        """`q_segment_ids`, `kv_segment_ids` of `segment_ids_with_mask` (none without segment ids or a mask)."""
+        ids = segment_ids_with_mask(q.shape[0], q.shape[1], k.shape[1], q_segment_ids, kv_segment_ids, kv_mask)
+        return {} if ids is None else {"q_segment_ids": ids[0], "kv_segment_ids": ids[1]}
+
+
+class SplashAttention(TpuAttentionKernel):
     """Splash attention from JAX's Pallas TPU ops (module docstring: mapping, declines, sharding).
 
     Args:
@@ -197,7 +209,7 @@ class SplashAttention:
         self.block_q, self.block_kv = block_q, block_kv
         self.priority = priority
 
-    def is_supported(self, problem: AttentionProblem) -> Support:
+    def check(self, problem: AttentionProblem) -> Support:
         support = check_common(problem, interpret=self.interpret, what="splash attention")
         if not support:
             return support
@@ -207,59 +219,31 @@ class SplashAttention:
                 f"causal with q_len {problem.q_len} > kv_len {problem.kv_len}: the first rows see no key, "
                 f"where splash's softmax is undefined",
             )
-        for support in (mesh_layout(problem)[0], unknown_extras(problem)):
-            if not support:
-                return support
         return SUPPORTED
 
-    def __call__(
-        self,
-        problem: AttentionProblem,
-        q,
-        k,
-        v,
-        *,
-        kv_mask=None,
-        q_segment_ids=None,
-        kv_segment_ids=None,
-        q_positions=None,
-        kv_positions=None,
-        bias=None,
-        dropout_key=None,
-    ):
-        specs = checked_call_layout(
-            "splash", problem, mesh_layout, q_segment_ids, kv_segment_ids,
-            q_positions=q_positions, kv_positions=kv_positions, bias=bias, dropout_key=dropout_key,
+    def attend(self, problem: AttentionProblem, q, k, v, q_segment_ids=None, kv_segment_ids=None):
+        head_dim = q.shape[-1]
+        kernel = _kernel(
+            q.shape[2], q.shape[1], k.shape[1], bool(problem.causal), effective_window(problem),
+            None if problem.softcap is None else float(problem.softcap),
+            self.block_q, self.block_kv, self.interpret,
         )
-        ids = segment_ids_with_mask(
-            q.shape[0], q.shape[1], k.shape[1], q_segment_ids, kv_segment_ids, kv_mask
-        )
-        window = effective_window(problem)
-
-        def attend(q, k, v, *rows):
-            head_dim = q.shape[-1]
-            kernel = _kernel(
-                q.shape[2], q.shape[1], k.shape[1], bool(problem.causal), window,
-                None if problem.softcap is None else float(problem.softcap),
-                self.block_q, self.block_kv, self.interpret,
-            )
-            # [b, t, n, h] -> [b, n, t, h]; the scale goes into q (splash has none).
-            qs = pad_head_dim(jnp.swapaxes((q * jnp.asarray(problem.scale, q.dtype)).astype(q.dtype), 1, 2))
-            ks = pad_head_dim(jnp.swapaxes(k, 1, 2))
-            vs = pad_head_dim(jnp.swapaxes(v, 1, 2))
-            if rows:
-                segments = splash.SegmentIds(q=rows[0], kv=rows[1])
-                out = jax.vmap(kernel, in_axes=(0, 0, 0, splash.SegmentIds(0, 0)))(qs, ks, vs, segments)
-            else:
-                out = jax.vmap(kernel)(qs, ks, vs)
-            return jnp.swapaxes(out[..., :head_dim], 1, 2).astype(q.dtype)
-
-        return run_sharded(problem, specs, attend, q, k, v, *(ids or ()))
+        # [b, t, n, h] -> [b, n, t, h]; the scale goes into q (splash has none).
+        qs = pad_head_dim(jnp.swapaxes((q * jnp.asarray(problem.scale, q.dtype)).astype(q.dtype), 1, 2))
+        ks = pad_head_dim(jnp.swapaxes(k, 1, 2))
+        vs = pad_head_dim(jnp.swapaxes(v, 1, 2))
+        if q_segment_ids is not None:
+            segments = splash.SegmentIds(q=q_segment_ids, kv=kv_segment_ids)
+            out = jax.vmap(kernel, in_axes=(0, 0, 0, splash.SegmentIds(0, 0)))(qs, ks, vs, segments)
+        else:
+            out = jax.vmap(kernel)(qs, ks, vs)
+        return jnp.swapaxes(out[..., :head_dim], 1, 2).astype(q.dtype)
 
 
 __all__ = [
     "LANES",
     "SplashAttention",
+    "TpuAttentionKernel",
     "check_common",
     "effective_window",
     "pad_head_dim",

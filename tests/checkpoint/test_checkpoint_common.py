@@ -1,6 +1,7 @@
 """Behaviour shared by every checkpoint backend, run against `orbax` and `tensorstore`."""
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -250,3 +251,18 @@ def test_bad_inputs_raise_checkpoint_errors(make):
     with pytest.raises(CheckpointError, match="keep_last_n"):
         make("other", keep_last_n=0)
     assert backend.all_steps() == []
+
+
+def test_step_of_parses_the_names_the_backend_writes(make):
+    """`step_of` (run loading's parse of a step directory) inverts the names each backend puts on disk."""
+    backend = make(keep_last_n=None)
+    for step in (0, 7, 123456789):
+        backend.save(step, {"params": make_state()["params"]}, {"step": step})
+    backend.wait()
+    names = sorted(n for n in os.listdir(backend.directory) if os.path.isdir(os.path.join(backend.directory, n)))
+    # The names are the backend's own: digits (orbax) or step_ and at least 8 digits (tensorstore).
+    expected = {"orbax": ["0", "123456789", "7"], "tensorstore": ["step_00000000", "step_00000007", "step_123456789"]}
+    assert [n for n in names if n in expected[make.name]] == expected[make.name]
+    assert sorted(backend.step_of(n) for n in expected[make.name]) == [0, 7, 123456789] == backend.all_steps()
+    for junk in ("", "latest", "7x", "step_7", "step_", "-1", "checkpoints", "7.tmp"):
+        assert backend.step_of(junk) is None, junk

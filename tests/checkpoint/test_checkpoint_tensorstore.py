@@ -94,18 +94,18 @@ def test_pruning_uncommits_before_deleting(tmp_path):
 def test_array_names_are_safe_and_unique():
     tree = {"a/b": 1, "a b": 2, "..": 3, "x": [4, (5,)], "": 6}
     used = set()
-    names = [tsb._unique_name(p, used) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    names = [tsb.unique_array_name(p, used) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     assert names == ["_", "_-2", "a_b", "a_b-2", "x.0", "x.1.0"]
-    assert tsb._unique_name((), set()) == "root"
-    long = tsb._unique_name((jax.tree_util.DictKey("k" * 400),), set())
+    assert tsb.unique_array_name((), set()) == "root"
+    long = tsb.unique_array_name((jax.tree_util.DictKey("k" * 400),), set())
     assert len(long) < 150
 
 
 def test_chunks_tile_the_shards():
-    assert tsb._chunk_shape((16, 8), 4) == (16, 8)
-    assert tsb._chunk_shape((0, 3), 4) == (1, 3)
-    assert tsb._chunk_shape((), 4) == ()
-    big = tsb._chunk_shape((8192, 8192), 4)  # 256 MiB -> at most 64 MiB, dividing the shard.
+    assert tsb.chunk_shape((16, 8), 4) == (16, 8)
+    assert tsb.chunk_shape((0, 3), 4) == (1, 3)
+    assert tsb.chunk_shape((), 4) == ()
+    big = tsb.chunk_shape((8192, 8192), 4)  # 256 MiB -> at most 64 MiB, dividing the shard.
     assert np.prod(big) * 4 <= 64 << 20 and all(s % c == 0 for s, c in zip((8192, 8192), big))
 
 

@@ -220,12 +220,11 @@ def test_trainer_resumes_from_the_previous_step_when_the_latest_is_corrupt(tmp_p
     import re
 
     from axcore.experiment import load_experiment
+    from axcore.testing import TINY_OVERRIDES
     from axcore.trainer.trainer import Trainer
 
-    import tiny
-
     args = [
-        *tiny.TINY,
+        *TINY_OVERRIDES,
         f"trainer.run_dir={tmp_path}",
         "trainer.checkpoint.backend=tensorstore",
         "trainer.checkpoint.every_n_steps=2",

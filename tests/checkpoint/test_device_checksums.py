@@ -1,7 +1,7 @@
 """`mix32`, the checksum computed on the device: the formula, its NumPy twin, and the orbax item.
 
 The reference is the formula written out in plain Python, word by word (see
-`axcore.checkpoint._verify`'s docstring); NumPy's `mix32` (used on restore) and the
+`axcore.checkpoint.verify`'s docstring); NumPy's `mix32` (used on restore) and the
 jitted device program (used on save) must both equal it.
 """
 
@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from axcore.checkpoint import CheckpointError, _verify
+from axcore.checkpoint import CheckpointError, verify
 from axcore.checkpoint.base import restore_verified
 from axcore.checkpoint.plugin import BACKENDS
 
@@ -62,55 +62,55 @@ def arrays(rng):
 def test_numpy_mix32_is_the_formula():
     rng = np.random.default_rng(0)
     for name, a in arrays(rng).items():
-        assert _verify.mix32(a) == reference_mix32(np.asarray(a)), name
+        assert verify.mix32(a) == reference_mix32(np.asarray(a)), name
     # Longer than one NumPy block, so the block offsets count.
-    long = rng.integers(0, 2**32, 2 * _verify._BLOCK + 3, dtype=np.uint32)
-    assert _verify.mix32(long) == reference_mix32(long)
+    long = rng.integers(0, 2**32, 2 * verify.MIX32_BLOCK + 3, dtype=np.uint32)
+    assert verify.mix32(long) == reference_mix32(long)
 
 
 def test_device_mix32_equals_numpy():
     rng = np.random.default_rng(1)
     state = {name: jnp.asarray(a) for name, a in arrays(rng).items()}
     state["big"] = jnp.asarray(rng.standard_normal((300, 700), np.float32))  # > one block
-    pieces = _verify.start_checksums(state).result()
+    pieces = verify.start_checksums(state).result()
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         (p,) = pieces[jax.tree_util.keystr(path)]
-        assert p == {"index": [[0, d] for d in x.shape], "mix32": _verify.mix32(np.asarray(x))}, path
+        assert p == {"index": [[0, d] for d in x.shape], "mix32": verify.mix32(np.asarray(x))}, path
 
 
 def test_device_mix32_of_64_bit_values():
     with jax.enable_x64(True):
         state = {"i64": jnp.arange(-5, 100, dtype=jnp.int64) * 987654321987, "f64": jnp.linspace(-3, 3, 77)}
-        pieces = _verify.start_checksums(state).result()
+        pieces = verify.start_checksums(state).result()
         for k, x in state.items():
             assert pieces[f"['{k}']"][0]["mix32"] == reference_mix32(np.asarray(x)), k
 
 
 def test_host_leaves_and_sub_byte_dtypes_get_crc32():
     state = {"np": np.arange(6, dtype=np.int64), "i4": jnp.arange(-8, 8, dtype=jnp.int4), "py": 3}
-    pieces = _verify.start_checksums(state).result()
+    pieces = verify.start_checksums(state).result()
     assert pieces["['np']"] == [{"index": [[0, 6]], "crc32": zlib.crc32(np.arange(6, dtype=np.int64).tobytes())}]
     assert pieces["['i4']"] == [{"index": [[0, 16]], "crc32": zlib.crc32(np.asarray(state["i4"]).tobytes())}]
     assert list(pieces["['py']"][0]) == ["index", "crc32"]
-    assert not _verify.device_checksummable(jnp.int4) and _verify.device_checksummable(jnp.bfloat16)
+    assert not verify.device_checksummable(jnp.int4) and verify.device_checksummable(jnp.bfloat16)
 
 
 def test_any_changed_word_changes_mix32():
     rng = np.random.default_rng(2)
     a = rng.standard_normal(4096).astype(np.float32)
-    base = _verify.mix32(a)
+    base = verify.mix32(a)
     words = a.view(np.uint32)
     for i in rng.integers(0, a.size, 50):
         for bit in (0, 17, 31):
             changed = words.copy()
             changed[i] ^= np.uint32(1 << bit)
-            assert _verify.mix32(changed.view(np.float32)) != base, (i, bit)
+            assert verify.mix32(changed.view(np.float32)) != base, (i, bit)
     swapped = a.copy()
     swapped[[3, 900]] = swapped[[900, 3]]
-    assert _verify.mix32(swapped) != base  # Position counts.
+    assert verify.mix32(swapped) != base  # Position counts.
     two_signs = a.copy()
     two_signs[[5, 6]] *= -1  # Two sign bits: cancel in a plain sum of words, not here.
-    assert _verify.mix32(two_signs) != base
+    assert verify.mix32(two_signs) != base
 
 
 @pytest.mark.parametrize("name", ["orbax", "tensorstore"])

@@ -16,8 +16,7 @@ import types
 import pytest
 
 from axcore.checkpoint import checkpoint_log_file, save_reports_to
-
-import tiny
+from axcore.testing import TINY_OVERRIDES
 
 # Bytes any one file of the training process may grow to: more than its config (9 KB), metrics and
 # checkpoint metadata (19 KB at most), less than the data files the tiny model's train state (parameters and
@@ -35,7 +34,7 @@ LIMITED = (
 @pytest.mark.slow
 def test_a_failed_save_is_one_line_and_orbax_reports_go_to_the_log_file(tmp_path):
     run_dir = tmp_path / "run"
-    overrides = [*tiny.TINY, f"trainer.run_dir={run_dir}", "trainer.max_steps=4", "trainer.eval_every=0",
+    overrides = [*TINY_OVERRIDES, f"trainer.run_dir={run_dir}", "trainer.max_steps=4", "trainer.eval_every=0",
                  "trainer.sample.num_tokens=4", "trainer.checkpoint.every_n_steps=2"]
     command = [sys.executable, "-c", LIMITED, sys.executable, "-m", "axcore.cli", "train", "default",
                *(a for o in overrides for a in ("--set", o))]

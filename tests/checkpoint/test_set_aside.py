@@ -192,12 +192,11 @@ def test_trainer_saves_the_step_again_after_setting_it_aside(tmp_path):
     import shutil
 
     from axcore.experiment import load_experiment
+    from axcore.testing import TINY_OVERRIDES
     from axcore.trainer.trainer import Trainer
 
-    import tiny
-
     args = [
-        *tiny.TINY,
+        *TINY_OVERRIDES,
         f"trainer.run_dir={tmp_path / 'run'}",
         "trainer.checkpoint.backend=orbax",
         "trainer.checkpoint.every_n_steps=5",
@@ -224,7 +223,7 @@ def test_trainer_saves_the_step_again_after_setting_it_aside(tmp_path):
         re.M,
     ), out
     assert f"Resumed from step 5 in {tmp_path / 'run'}" in out
-    target = Trainer(load_experiment(None, args)).abstract_state()
+    target = Trainer(load_experiment(None, args)).step.abstract_state()
     with BACKENDS["orbax"](checkpoints) as a, BACKENDS["orbax"](tmp_path / "uninterrupted") as b:
         assert a.all_steps() == [5, 10] and b.all_steps() == [10]
         got, got_meta = a.restore(target, 10)

@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from axcore import cli
 from axcore.config import ConfigBase
 from axcore.config.base import DType
-from axcore.config.constraints import Floating, Matches, MaxLength, Range, Size, _split
+from axcore.config.constraints import Floating, Matches, MaxLength, Range, Size, split_constraints
 from axcore.experiment import load_experiment
 
 # Bad configs per test; the two tests together run more than 1,000 (the issue's floor).
@@ -57,7 +57,7 @@ def _leaves(cfg: ConfigBase, path: str = "") -> list[tuple[str, typing.Any, typi
 
 def _members(annotation):
     """The non-None members of an Optional/Union annotation, constraints kept."""
-    base, _ = _split(annotation)
+    base, _ = split_constraints(annotation)
     origin = typing.get_origin(base)
     if origin is typing.Union or origin is types.UnionType:
         return [a for a in typing.get_args(base) if a is not type(None)]
@@ -69,7 +69,7 @@ def _bad_values(annotation) -> st.SearchStrategy | None:
     members = _members(annotation)
     if len(members) != 1:
         return None
-    tp, constraints = _split(members[0])
+    tp, constraints = split_constraints(members[0])
     wrong_type = st.sampled_from([[1, 2], {"a": 1}, "seven"]) if tp in (int, float) else None
     options = []
     for c in constraints:
@@ -241,7 +241,7 @@ def test_bad_experiment_files_fail_in_one_line_each(bad, tmp_path_factory, monke
 
 def test_the_generator_covers_every_declared_range():
     """Every leaf with a declared range or a checked type gets bad values (nothing silently skipped)."""
-    ranged = [p for p, a, v in _leaves(_DEFAULT) if any(_split(m)[1] for m in _members(a))]
+    ranged = [p for p, a, v in _leaves(_DEFAULT) if any(split_constraints(m)[1] for m in _members(a))]
     generated = {p for p, _ in _FIELDS}
     assert len(ranged) > 30
     assert set(ranged) <= generated, set(ranged) - generated

@@ -19,8 +19,7 @@ import pytest
 import axcore
 from axcore import cli
 from axcore.data import ByteTokenizer
-
-import tiny
+from axcore.testing import TINY_OVERRIDES
 
 # (override(s), the line's start after "axcore: error: "): one case of the probe each.
 CASES = [
@@ -110,7 +109,7 @@ def _axcore(cwd, *argv, env=None):
 )
 def test_train_refuses_before_compiling(override, start, tmp_path):
     """Today the first trains to a NaN loss and exits 0; the second fails only after compiling (15 s)."""
-    sets = [a for o in [*tiny.TINY, "trainer.max_steps=2", override] for a in ("--set", o)]
+    sets = [a for o in [*TINY_OVERRIDES, "trainer.max_steps=2", override] for a in ("--set", o)]
     out = _axcore(tmp_path, "train", "default", *sets)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr

@@ -90,7 +90,7 @@ def test_flat_dump_lines_and_semantics(registries):
 
 def test_flat_dump_is_stable_across_processes():
     code = (
-        "from axcore.plugin.loading import builtin_registries\n"
+        "from axcore.experiment.builtins import builtin_registries\n"
         "from axcore.config import dump_flat\n"
         "from axcore.layers import CausalLM\n"
         "print(dump_flat(CausalLM.default_config().set(vocab_size=5, dim=4, num_layers=2), builtin_registries()), end='')\n"

@@ -22,10 +22,10 @@ import pytest
 
 from axcore import cli
 from axcore.config import ConfigBase, ConfigValidationError, Size, from_dict, raise_collected
-from axcore.config.constraints import Depth, Length, Width, _split
+from axcore.config.constraints import Depth, Length, Width, split_constraints
 from axcore.errors import UnknownFieldError
 from axcore.experiment import ExperimentConfig, load_experiment
-from axcore.experiment.validation import _parameter_bytes_problem
+from axcore.experiment.validation import parameter_bytes_problem
 from axcore.params import ParameterSpec, constant
 
 WORKER = pathlib.Path(__file__).with_name("size_bounds_worker.py")
@@ -40,8 +40,8 @@ PLUGINS = "plugins=[moe, rope, swiglu]"
 
 def _size_of(annotation) -> Size | None:
     """The `Size` constraint an annotation (possibly Optional) declares, or None."""
-    for member in [annotation, *typing.get_args(_split(annotation)[0])]:
-        found = [c for c in _split(member)[1] if isinstance(c, Size)]
+    for member in [annotation, *typing.get_args(split_constraints(annotation)[0])]:
+        found = [c for c in split_constraints(member)[1] if isinstance(c, Size)]
         if found:
             return found[0]
     return None
@@ -180,12 +180,12 @@ def test_parameter_bytes_past_int64_are_refused_by_count_not_by_overflow():
     """Bytes are counted in Python ints: 2**61 float32 elements are 2**63 bytes, one past the int64 range."""
     init = constant(0.0)
     fits = {"a": ParameterSpec((2**61 - 1,), np.dtype("float32"), init)}  # 2**63 - 4 bytes.
-    assert _parameter_bytes_problem(fits) is None
+    assert parameter_bytes_problem(fits) is None
     a, c = ParameterSpec((3, 2**59), np.dtype("float32"), init), ParameterSpec((2**59,), np.dtype("float32"), init)
-    problem = _parameter_bytes_problem({"a": a, "b": {"c": c}})  # 3 * 2**61 + 2**61 bytes.
+    problem = parameter_bytes_problem({"a": a, "b": {"c": c}})  # 3 * 2**61 + 2**61 bytes.
     assert problem is not None and f"need {2**63} bytes" in problem
     assert f"the largest parameter, 'a', {3 * 2**61})" in problem
-    assert _parameter_bytes_problem({"a": ParameterSpec((2**30, 2**30), np.dtype("bfloat16"), init)}) is None
+    assert parameter_bytes_problem({"a": ParameterSpec((2**30, 2**30), np.dtype("bfloat16"), init)}) is None
 
 
 def test_a_model_whose_parameters_overflow_int64_is_one_line(capsys, tmp_path, monkeypatch):

@@ -11,8 +11,7 @@ import sys
 import pytest
 
 from axcore.data.prepare import prepare
-
-import tiny
+from axcore.testing import TINY_OVERRIDES
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +33,7 @@ def corpus(tmp_path_factory):
 
 def _train(data, run_dir):
     overrides = [
-        *tiny.TINY, f"trainer.run_dir={run_dir}", "trainer.max_steps=2", "trainer.eval_every=0",
+        *TINY_OVERRIDES, f"trainer.run_dir={run_dir}", "trainer.max_steps=2", "trainer.eval_every=0",
         "trainer.sample.num_tokens=4", f"input.source={{type: prepared, paths: [{data}]}}",
     ]
     command = [sys.executable, "-m", "axcore.cli", "train", "default", *(a for o in overrides for a in ("--set", o))]

@@ -184,14 +184,14 @@ def test_a_flipped_byte_stops_every_read_once_found_naming_its_file(tmp_path, mo
     and once it is known corrupt, every read (of any shard) refuses with the same line."""
     import threading
 
-    from axcore.data import _shard_hashes
+    from axcore.data import shard_hashes
 
     parts = [_documents(20, 4, False), _documents(21, 5, False)]
     _write(tmp_path, parts)
     _flip_last_byte(tmp_path / "shard-00001.tokens.npy")
     hashed_on = []
-    real = _shard_hashes.file_sha256
-    monkeypatch.setattr(_shard_hashes, "file_sha256", lambda p: hashed_on.append(threading.current_thread().name) or real(p))
+    real = shard_hashes.file_sha256
+    monkeypatch.setattr(shard_hashes, "file_sha256", lambda p: hashed_on.append(threading.current_thread().name) or real(p))
     shards = PreparedShards(str(tmp_path))  # Opens: the cheap checks pass.
     assert hashed_on == []  # Nothing hashed at open.
     message = r"shard-00001\.tokens\.npy' does not match its sha256 in index\.json \(corrupted\)"

@@ -5,8 +5,7 @@ import pytest
 
 import axcore
 from axcore.data import Split, Tokenizer
-
-from tiny import TINY
+from axcore.testing import TINY_OVERRIDES
 
 
 class VowelTokenizer(Tokenizer):
@@ -56,4 +55,4 @@ def test_text_files_are_tokenized_with_the_experiments_tokenizer(tmp_path):
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_a_config_error():
     with pytest.raises(axcore.ConfigError, match=r"'model.vocab_size' \(256\) is smaller than the tokenizer's 257 token ids"):
-        axcore.load_experiment(None, [*TINY, "tokenizer.type=vowels", "plugins=[vowels]"], objects={"vowels": VowelPlugin()})
+        axcore.load_experiment(None, [*TINY_OVERRIDES, "tokenizer.type=vowels", "plugins=[vowels]"], objects={"vowels": VowelPlugin()})

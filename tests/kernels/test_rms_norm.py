@@ -1,7 +1,7 @@
 """The `rms_norm` op: its reference kernel against a float64 NumPy formula (output and gradients),
 and `RMSNorm` running through the op (bit-identical to its former inline math; `kernels:` forcing).
 
-`np_rms_norm` and `np_rms_norm_vjp` are the oracle of every `rms_norm` kernel's test (the gpu
+`np_rms_norm` and `np_rms_norm_vjp` (axcore.testing) are the oracle of every `rms_norm` kernel's test (the gpu
 plugin's reuse them); the VJP formula itself is checked against finite differences here.
 """
 
@@ -15,60 +15,14 @@ from axcore.errors import KernelNotSupportedError
 from axcore.kernels import RMS_NORM, XlaRMSNorm, record_kernel_choices, rms_norm_problem, unknown_extras
 from axcore.layers import RMSNorm
 from axcore.module import functional
-
-EPS = 1e-6
-# (shape of x, dtype): a non-power-of-two dim (96), odd row counts.
-CASES = {
-    "f32 [4, 9, 96]": ((4, 9, 96), jnp.float32),
-    "f32 [33, 128]": ((33, 128), jnp.float32),
-    "bf16 [4, 9, 96]": ((4, 9, 96), jnp.bfloat16),
-    "bf16 [5, 256]": ((5, 256), jnp.bfloat16),
-}
-# Tolerances against float64: float32 math (observed ~1e-6); bfloat16 output/inputs: a bf16 ulp
-# of the output (2^-8 relative) plus the input gradient's own bf16 rounding.
-TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
-
-
-def np_rms_norm(x, scale, eps=EPS):
-    """y = x / sqrt(mean(x^2) + eps) * scale in float64."""
-    x = np.asarray(x, np.float64)
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * np.asarray(scale, np.float64)
-
-
-def np_rms_norm_vjp(x, scale, g, eps=EPS):
-    """(dx, dscale) of `np_rms_norm` for output cotangent g, float64, by the chain rule:
-    y_j = x_j r s_j with r = (mean(x^2) + eps)^-1/2, dr/dx_k = -r^3 x_k / d."""
-    x, s, g = (np.asarray(a, np.float64) for a in (x, scale, g))
-    d = x.shape[-1]
-    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-    gs = g * s
-    dx = r * gs - (r**3 / d) * x * np.sum(gs * x, axis=-1, keepdims=True)
-    dscale = np.sum((g * x * r).reshape(-1, d), axis=0)
-    return dx, dscale
-
-
-def case_arrays(shape, dtype, seed=0):
-    """x (offset, so the mean square is not ~1), scale near 1 (float32) and a cotangent g, rounded to dtype."""
-    rng = np.random.default_rng(seed)
-    x = jnp.asarray(2.0 * rng.normal(size=shape) + 0.5, dtype)
-    scale = jnp.asarray(1.0 + 0.3 * rng.normal(size=shape[-1:]), jnp.float32)
-    g = jnp.asarray(rng.normal(size=shape), dtype)
-    return x, scale, g
-
-
-def check_against_numpy(fn, shape, dtype, tolerance=None):
-    """fn(x, scale) -> y: output and VJP against the NumPy formula, in x's and scale's dtypes."""
-    x, scale, g = case_arrays(shape, dtype)
-    y, vjp = jax.vjp(fn, x, scale)
-    dx, dscale = vjp(g)
-    assert y.dtype == x.dtype and dx.dtype == x.dtype and dscale.dtype == scale.dtype
-    tol = tolerance or TOLERANCE[dtype]
-    np.testing.assert_allclose(np.asarray(y, np.float64), np_rms_norm(x, scale), **tol)
-    want_dx, want_dscale = np_rms_norm_vjp(x, scale, g)
-    np.testing.assert_allclose(np.asarray(dx, np.float64), want_dx, **tol)
-    # dscale sums a row count of terms: relative to its size.
-    np.testing.assert_allclose(np.asarray(dscale, np.float64), want_dscale, rtol=tol["rtol"],
-                               atol=tol["atol"] * np.sqrt(np.prod(shape[:-1])))
+from axcore.testing import (
+    RMS_NORM_CASES,
+    RMS_NORM_EPS,
+    check_rms_norm,
+    np_rms_norm,
+    np_rms_norm_vjp,
+    rms_norm_case_arrays,
+)
 
 
 def test_numpy_vjp_formula_matches_finite_differences():
@@ -88,21 +42,21 @@ def test_numpy_vjp_formula_matches_finite_differences():
         assert abs(fd - ds[j]) < 1e-7
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", RMS_NORM_CASES)
 def test_reference_kernel_matches_numpy(case):
-    shape, dtype = CASES[case]
-    x, scale, _ = case_arrays(shape, dtype)
-    problem = rms_norm_problem(x, scale, eps=EPS)
+    shape, dtype = RMS_NORM_CASES[case]
+    x, scale, _ = rms_norm_case_arrays(shape, dtype)
+    problem = rms_norm_problem(x, scale, eps=RMS_NORM_EPS)
     assert (problem.rows, problem.dim, problem.dtype, problem.scale_dtype) == (
         int(np.prod(shape[:-1])), shape[-1], np.dtype(dtype), np.dtype(np.float32))
     kernel = XlaRMSNorm()
     assert kernel.is_supported(problem)
-    check_against_numpy(jax.jit(lambda x, s: kernel(problem, x, s)), shape, dtype)
+    check_rms_norm(jax.jit(lambda x, s: kernel(problem, x, s)), shape, dtype)
 
 
 def test_reference_declines_unknown_extras():
-    x, scale, _ = case_arrays((2, 8), jnp.float32)
-    support = XlaRMSNorm().is_supported(rms_norm_problem(x, scale, eps=EPS, extras={"fp8": True}))
+    x, scale, _ = rms_norm_case_arrays((2, 8), jnp.float32)
+    support = XlaRMSNorm().is_supported(rms_norm_problem(x, scale, eps=RMS_NORM_EPS, extras={"fp8": True}))
     assert not support and "fp8" in support.reason
 
 
@@ -121,7 +75,7 @@ def _norm(registries, **fields):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_layer_through_the_op_is_bit_identical_to_the_former_forward(dtype, registries):
     layer, params = _norm(registries, eps=1e-5)
-    x, scale, g = case_arrays((4, 9, 96), dtype)
+    x, scale, g = rms_norm_case_arrays((4, 9, 96), dtype)
     params = {"scale": scale}
 
     def through_layer(x, p):
@@ -166,7 +120,7 @@ def test_kernels_setting_forces_an_rms_norm_kernel_and_extras_reach_the_problem(
     kernel = DoublingNorm()
     registries = axcore.create_plugin_manager(["norms"], objects={"norms": NormPlugin(kernel)}).registries
     assert [k.name for k in registries.kernels.candidates(RMS_NORM)] == ["xla", "doubling"]
-    x, _, _ = case_arrays((3, 96), jnp.float32)
+    x, _, _ = rms_norm_case_arrays((3, 96), jnp.float32)
     plain, params = _norm(registries)
     forced, _ = _norm(registries, kernels={"rms_norm": "doubling"})
     y_plain = functional(plain, params, (x,), None, False)[0]

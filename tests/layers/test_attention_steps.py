@@ -18,8 +18,7 @@ from axcore.layers import (
     TransformerLayer,
 )
 from axcore.layers.basic import Linear
-
-from tiny import TINY
+from axcore.testing import TINY_OVERRIDES
 
 EPS = 1e-6
 
@@ -242,7 +241,7 @@ class HeadNormPlugin:
 
 
 def test_layer_subclassing_plugin_end_to_end():
-    overrides = [*TINY, "mesh.instance_type=cpu-1", "plugins=[head_norm]"]
+    overrides = [*TINY_OVERRIDES, "mesh.instance_type=cpu-1", "plugins=[head_norm]"]
     exp = load_experiment(None, overrides, objects={"head_norm": HeadNormPlugin()})
     flat = exp.flat()
     assert "model.decoder.layer.self_attention.type: head_norm_attention" in flat

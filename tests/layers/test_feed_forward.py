@@ -6,8 +6,7 @@ import pytest
 
 import axcore
 from axcore.layers import Activation, FeedForward, Linear
-
-from numpy_ref import NP_ACTIVATIONS
+from axcore.testing import NP_ACTIVATIONS
 
 RTOL = ATOL = 1e-5
 

@@ -8,8 +8,7 @@ import pytest
 
 import axcore
 from axcore.layers import CausalLM, Embedding, FeedForward, MultiheadAttention, RMSNorm, TransformerLayer
-
-from tiny import TINY
+from axcore.testing import TINY_OVERRIDES
 
 
 def _spy(monkeypatch, cls, method, seen):
@@ -25,7 +24,7 @@ def _spy(monkeypatch, cls, method, seen):
 
 
 def test_bfloat16_compute_keeps_float32_parameters_and_float32_logits_and_loss(monkeypatch):
-    exp = axcore.load_experiment(None, [*TINY, "model.compute_dtype=bfloat16"])
+    exp = axcore.load_experiment(None, [*TINY_OVERRIDES, "model.compute_dtype=bfloat16"])
     model = exp.config.model.instantiate(name="model", registries=exp.registries)
     params = model.initialize(jax.random.key(0))
     assert {str(p.dtype) for p in jax.tree.leaves(params)} == {"float32"}
@@ -54,7 +53,7 @@ def test_bfloat16_compute_is_close_to_float32():
     ids = np.arange(2 * 16).reshape(2, 16) % 256
     losses = {}
     for dtype in ("float32", "bfloat16"):
-        exp = axcore.load_experiment(None, [*TINY, f"model.compute_dtype={dtype}"])
+        exp = axcore.load_experiment(None, [*TINY_OVERRIDES, f"model.compute_dtype={dtype}"])
         model = exp.config.model.instantiate(name="model", registries=exp.registries)
         params = model.initialize(jax.random.key(0))
         (loss, _), _ = axcore.functional(model, params, ({"input_ids": ids, "target_labels": ids},), None, False)

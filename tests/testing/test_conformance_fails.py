@@ -16,12 +16,12 @@ from axcore.testing import (
     DEFAULT_CASES,
     TINY_OVERRIDES,
     AttentionCase,
-    _checkpoint,
-    _position,
-    _transform,
     check_attention_kernel,
+    checkpoint,
+    position,
+    transform,
 )
-from axcore.testing._attention import check_case, check_declines_unknown_extras
+from axcore.testing.attention import check_case, check_declines_unknown_extras
 
 pytest_plugins = ["pytester"]
 
@@ -172,20 +172,20 @@ class AbsoluteBias(PositionEmbedding):
 
 
 def _built(config):
-    return _position.build(config, axcore.create_plugin_manager().registries)
+    return position.build(config, axcore.create_plugin_manager().registries)
 
 
 def test_position_checks_fail_for_wrong_embeddings():
     layer, params = _built(AbsoluteBias.default_config())
     with pytest.raises(AssertionError, match="claims relative positions"):
-        _position.check_relative_invariance(layer, params)
+        position.check_relative_invariance(layer, params)
     with pytest.raises(AssertionError, match="transform_qk: q"):
-        _position.check_shapes_and_dtypes(layer, params, jnp.bfloat16)
+        position.check_shapes_and_dtypes(layer, params, jnp.bfloat16)
     learned = _built(LearnedPositionEmbedding.default_config().set(max_len=32))
     with pytest.raises(AssertionError, match="embed_inputs depends on absolute positions"):
-        _position.check_relative_invariance(*learned)
+        position.check_relative_invariance(*learned)
     with pytest.raises(AssertionError, match="no output depends on the positions"):
-        _position.check_positions_matter(*_built(PositionEmbedding.default_config()))
+        position.check_positions_matter(*_built(PositionEmbedding.default_config()))
 
 
 # -- checkpoint backends -----------------------------------------------------------------
@@ -208,9 +208,9 @@ def _uncommit(directory, step):
 
 def test_checkpoint_checks_fail_for_wrong_backends(tmp_path):
     with pytest.raises(AssertionError, match="uncommitted step is listed"):
-        _checkpoint.check_commit_atomicity(ListsUncommitted, str(tmp_path / "a"), _uncommit)
+        checkpoint.check_commit_atomicity(ListsUncommitted, str(tmp_path / "a"), _uncommit)
     with pytest.raises(AssertionError, match="asked for"):
-        _checkpoint.check_restore_into_another_sharding(IgnoresTargetSharding, str(tmp_path / "b"))
+        checkpoint.check_restore_into_another_sharding(IgnoresTargetSharding, str(tmp_path / "b"))
 
 
 # -- config transforms -------------------------------------------------------------------
@@ -237,18 +237,18 @@ def _run(mode):
     manager = axcore.create_plugin_manager(["wrong"], objects={"wrong": Wrong(mode)})
     before = load_experiment("default", [*TINY_OVERRIDES, "plugins=[]"]).config
     settings = manager.settings()
-    return manager, settings, before, _transform.transform(manager, before, settings)
+    return manager, settings, before, transform.transform(manager, before, settings)
 
 
 def test_transform_checks_fail_for_wrong_transforms():
     manager, _, before, after = _run("attention_only")
     with pytest.raises(AssertionError, match="left these targets unchanged: model.decoder.layer.feed_forward"):
-        _transform.check_applies_to_every_target(before, after, (MultiheadAttention, FeedForward), manager.registries)
+        transform.check_applies_to_every_target(before, after, (MultiheadAttention, FeedForward), manager.registries)
     manager, settings, before, after = _run("double")
-    _transform.check_applies_to_every_target(before, after, FeedForward, manager.registries)
+    transform.check_applies_to_every_target(before, after, FeedForward, manager.registries)
     with pytest.raises(AssertionError, match="applying the transform twice changes"):
-        _transform.check_idempotent_or_refuses(manager, after, settings, manager.registries)
+        transform.check_idempotent_or_refuses(manager, after, settings, manager.registries)
     manager, _, before, after = _run("also_dim")
-    allowed = _transform.target_paths(before, FeedForward)
+    allowed = transform.target_paths(before, FeedForward)
     with pytest.raises(AssertionError, match="outside its targets: model.dim"):
-        _transform.check_touches_nothing_else(before, after, allowed, manager.registries)
+        transform.check_touches_nothing_else(before, after, allowed, manager.registries)

@@ -4,10 +4,11 @@ import os
 import re
 
 import pytest
-from throwaway_venv import install_editable, make_venv, run
 
 from axcore.cli import main
 from axcore.cli.new_plugin import KINDS
+
+from throwaway_venv import install_editable, make_venv, run
 
 
 @pytest.mark.parametrize("name", ["1abc", "My-Plugin", "class", "a.b", ""])

@@ -53,9 +53,8 @@ import pytest
 
 from axcore.experiment import load_experiment
 from axcore.observe import read_jsonl_metrics
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import Trainer
-
-import tiny
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +68,7 @@ SAVE_KILL_DELAY_S = 0.03  # Upper bound of the random delay after seeing a save 
 STEP_KILL_DELAY_S = 0.15  # Upper bound of the random delay after a progress line.
 
 CONFIG = [
-    *tiny.TINY,
+    *TINY_OVERRIDES,
     "trainer.eval_every=0",
     "trainer.sample.num_tokens=0",
     "trainer.log_every=1",
@@ -225,7 +224,7 @@ def _final_state(backend: str, run_dir: pathlib.Path):
     store = exp.registries.checkpoint_backends[backend](run_dir / "checkpoints")
     try:
         step = store.latest_step()
-        state, metadata = store.restore(trainer.abstract_state())
+        state, metadata = store.restore(trainer.step.abstract_state())
     finally:
         store.close()
     return jax.device_get(state), metadata, step

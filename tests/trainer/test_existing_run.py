@@ -26,11 +26,10 @@ import pytest
 from axcore import cli
 from axcore.checkpoint import OrbaxBackend, TensorStoreBackend
 from axcore.experiment import load_experiment
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.existing_run import remove_interrupted_pruning, run_differences
 from axcore.trainer.run_dir import FAILED_FILE, LOCK_FILE
 from axcore.trainer.step import TrainStep
-
-import tiny
 
 # Seconds an `axcore train` subprocess may take.
 PROCESS_TIMEOUT = 180
@@ -40,7 +39,7 @@ COMPILE_LINES = ("Compiled the train step", "Kernel for ")
 
 def _overrides(run_dir, steps, extra=()):
     return [
-        *tiny.TINY,
+        *TINY_OVERRIDES,
         f"trainer.run_dir={run_dir}",
         f"trainer.max_steps={steps}",
         "trainer.log_every=1",
@@ -127,7 +126,7 @@ def test_a_busy_another_or_a_finished_run_is_answered_before_compiling(tmp_path,
 
 def test_differences_keep_settings_that_leave_the_parameters(tmp_path):
     """The rule itself, on a saved config: what refuses and what is only noted (no training)."""
-    base = [*tiny.TINY, f"trainer.run_dir={tmp_path}"]
+    base = [*TINY_OVERRIDES, f"trainer.run_dir={tmp_path}"]
     load_experiment("default", base).save(tmp_path)
 
     def differences(*overrides):

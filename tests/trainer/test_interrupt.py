@@ -15,13 +15,12 @@ import subprocess
 import sys
 
 from axcore.checkpoint import OrbaxBackend
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.run_dir import FAILED_FILE, INTERRUPTED_FILE
-
-import tiny
 
 # Seconds a training subprocess may take before it is killed.
 PROCESS_TIMEOUT = 240
-SETTINGS = [*tiny.TINY, "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample.num_tokens=0"]
+SETTINGS = [*TINY_OVERRIDES, "trainer.log_every=1", "trainer.eval_every=0", "trainer.sample.num_tokens=0"]
 # A driver that runs `axcore train` with one more checkpoint backend, `slow`: orbax, except that a
 # save off the checkpoint interval (the one Ctrl-C asks for) first sleeps, so it is still in flight.
 SLOW_DRIVER = """

@@ -15,6 +15,7 @@ from axcore.errors import ConfigError, UnknownComponentError
 from axcore.experiment import load_experiment
 from axcore.layers import Linear
 from axcore.params import ParameterSpec, constant
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer import (
     SGD,
     Adafactor,
@@ -31,8 +32,6 @@ from axcore.trainer import (
 )
 from axcore.trainer.learner import apply_state_updates
 from axcore.trainer.step import TrainStep
-
-import tiny
 
 
 def _learner(optimizer, schedule=None, **kwargs):
@@ -278,7 +277,7 @@ def test_state_updates_replace_only_the_named_non_trainable_leaves():
 
 def test_learner_trainable_trains_only_the_parameters_it_matches():
     """`trainer.learner.trainable`: the train step of the tiny model moves and keeps moments for the matched leaves only."""
-    exp = load_experiment(None, [*tiny.TINY, "trainer.learner.trainable=^embedding/", "trainer.learner.weight_decay=0.5",
+    exp = load_experiment(None, [*TINY_OVERRIDES, "trainer.learner.trainable=^embedding/", "trainer.learner.weight_decay=0.5",
                                  "trainer.learner.schedule.warmup_steps=0"])
     step = TrainStep(exp)
     state = step.init_state()
@@ -295,7 +294,7 @@ def test_learner_trainable_trains_only_the_parameters_it_matches():
 
 
 def test_learner_trainable_matching_nothing_is_refused():
-    exp = load_experiment(None, [*tiny.TINY, "trainer.learner.trainable=no_such_parameter"])
+    exp = load_experiment(None, [*TINY_OVERRIDES, "trainer.learner.trainable=no_such_parameter"])
     with pytest.raises(ConfigError, match=r"'trainer\.learner\.trainable' \('no_such_parameter'\) matches no trainable "
                                           r"parameter \(e\.g\. "):
         TrainStep(exp)

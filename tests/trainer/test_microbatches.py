@@ -8,9 +8,8 @@ import pytest
 from axcore.data import Split
 from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import Trainer
-
-import tiny
 
 STEPS = 3
 # Relative difference of losses and parameters allowed against the whole-batch step (float32 sums
@@ -19,15 +18,15 @@ RTOL = 1e-5
 
 
 def _train(microbatches: int):
-    overrides = [*tiny.TINY, "input.batch_size=8", f"trainer.microbatches={microbatches}", "trainer.max_steps=3"]
+    overrides = [*TINY_OVERRIDES, "input.batch_size=8", f"trainer.microbatches={microbatches}", "trainer.max_steps=3"]
     experiment = load_experiment(None, overrides)
     trainer = Trainer(experiment)
-    state = trainer.init_state()
-    step = trainer.compiled_train_step()
-    batches = experiment.config.input.make_iterator(Split.TRAIN, trainer.tokenizer)
+    state = trainer.step.init_state()
+    step = trainer.step.compiled_train_step()
+    batches = experiment.config.input.make_iterator(Split.TRAIN, trainer.step.tokenizer)
     records = []
     for _ in range(STEPS):
-        state, metrics = step(state, jax.device_put(next(batches), trainer.batch_sharding))
+        state, metrics = step(state, jax.device_put(next(batches), trainer.step.batch_sharding))
         records.append(jax.device_get(metrics))
     return jax.device_get(state["params"]), records
 
@@ -51,4 +50,4 @@ def test_microbatches_compute_the_whole_batch_step(whole_batch, microbatches):
 
 def test_batch_size_must_divide_into_microbatches():
     with pytest.raises(ConfigError, match=r"'input.batch_size' \(8\) must be divisible by 'trainer.microbatches' \(3\)"):
-        load_experiment(None, [*tiny.TINY, "input.batch_size=8", "trainer.microbatches=3"])
+        load_experiment(None, [*TINY_OVERRIDES, "input.batch_size=8", "trainer.microbatches=3"])

@@ -20,10 +20,9 @@ from axcore.data import Split
 from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
 from axcore.observe.writers import read_jsonl_metrics
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer import Objective, ObjectiveOutput
 from axcore.trainer.trainer import Trainer
-
-import tiny
 
 Z_WEIGHT = 0.1
 PROXIMAL = 0.5
@@ -71,7 +70,7 @@ class ObjectivesPlugin:
 
 
 OBJECTS = {"objectives_test": ObjectivesPlugin()}
-RUN = [*tiny.TINY, "plugins=[objectives_test]", "trainer.log_every=1", "trainer.eval_every=0",
+RUN = [*TINY_OVERRIDES, "plugins=[objectives_test]", "trainer.log_every=1", "trainer.eval_every=0",
        "trainer.sample.num_tokens=0", "trainer.metrics_writers=[{type: jsonl}]", "trainer.learner.schedule.warmup_steps=0"]
 
 
@@ -95,13 +94,13 @@ def test_a_plugin_objective_trains_and_logs_its_formula(tmp_path):
     exp = _experiment(tmp_path, "trainer.objective.type=weighted_z_loss", "trainer.max_steps=2")
     assert exp.registries.objectives["weighted_z_loss"] is WeightedZLoss
     trainer = Trainer(exp)
-    params = jax.device_get(trainer.init_state()["params"])  # The run starts from the same seed.
+    params = jax.device_get(trainer.step.init_state()["params"])  # The run starts from the same seed.
     result = trainer.run()
     records = read_jsonl_metrics(tmp_path / "metrics.jsonl")
     first = next(r for r in records if r["step"] == 1)
 
     batch = next(exp.config.input.make_iterator(Split.TRAIN))
-    xent, z = _numpy_xent_z(trainer.model, params, batch)
+    xent, z = _numpy_xent_z(trainer.step.model, params, batch)
     np.testing.assert_allclose(first["train/xent"], xent, rtol=1e-5)
     np.testing.assert_allclose(first["train/z"], z, rtol=1e-5)
     np.testing.assert_allclose(first["train/loss"], xent + Z_WEIGHT * z, rtol=1e-5)
@@ -112,8 +111,8 @@ def test_objective_state_is_frozen_sharded_saved_and_resumed(tmp_path):
     exp = _experiment(tmp_path, "trainer.objective.type=proximal", "trainer.max_steps=2",
                       "trainer.checkpoint.every_n_steps=1", "trainer.checkpoint.keep_last_n=null")
     trainer = Trainer(exp)
-    initial = jax.device_get(trainer.init_state()["params"])
-    abstract = trainer.abstract_state()
+    initial = jax.device_get(trainer.step.init_state()["params"])
+    abstract = trainer.step.abstract_state()
     assert jax.tree.structure(abstract["objective"]["reference"]) == jax.tree.structure(abstract["params"])
     for ref, param in zip(jax.tree.leaves(abstract["objective"]), jax.tree.leaves(abstract["params"])):
         assert ref.sharding == param.sharding
@@ -150,7 +149,7 @@ def test_the_docs_objective_plugin_computes_its_formula():
     [source] = [b for b in re.findall(r"```python\n(.*?)```", docs, re.S) if b.startswith("# axcore_xent_z.py")]
     plugin = types.ModuleType("axcore_xent_z")
     exec(compile(source, "<docs axcore_xent_z>", "exec"), plugin.__dict__)  # Our own docs' code.
-    exp = load_experiment(None, [*tiny.TINY, "plugins=[xent_z]", "trainer.objective.type=xent_z"],
+    exp = load_experiment(None, [*TINY_OVERRIDES, "plugins=[xent_z]", "trainer.objective.type=xent_z"],
                           objects={"xent_z": plugin})
     model = exp.config.model.instantiate(name="model", registries=exp.registries)
     params = model.initialize(jax.random.key(0))

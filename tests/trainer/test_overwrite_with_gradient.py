@@ -18,13 +18,12 @@ from axcore.data import Split
 from axcore.experiment import load_experiment
 from axcore.kernels import SUPPORTED, reference_dot
 from axcore.params import ParameterSpec, constant
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import Trainer
-
-import tiny
 
 HISTORY = 3
 # Default learner: AdamW with global-norm clipping at 1.0 (which the tiny model's first gradients exceed).
-COMMON = [*tiny.TINY, "trainer.eval_batches=1", "trainer.sample.num_tokens=0", "trainer.eval_every=0",
+COMMON = [*TINY_OVERRIDES, "trainer.eval_batches=1", "trainer.sample.num_tokens=0", "trainer.eval_every=0",
           "trainer.learner.schedule.warmup_steps=0", "trainer.learner.learning_rate=1e-2"]
 
 
@@ -87,8 +86,8 @@ def _strip(tree):
 
 def _steps(trainer, batch, steps):
     """[(params before the step, metrics)] for `steps` train steps, and the final params (host copies)."""
-    state, step = trainer.init_state(), trainer.compiled_train_step()
-    batch = jax.device_put(batch, trainer.batch_sharding)
+    state, step = trainer.step.init_state(), trainer.step.compiled_train_step()
+    batch = jax.device_put(batch, trainer.step.batch_sharding)
     history = []
     for _ in range(steps):
         before = jax.device_get(state)
@@ -101,13 +100,13 @@ def test_owg_state_is_its_gradient_and_stays_out_of_grad_norm_and_optimizer(tmp_
     owg = Trainer(load_experiment(None, [*COMMON, f"trainer.run_dir={tmp_path / 'a'}", "plugins=[spy]"],
                                   objects={"spy": Plugin()}))
     plain = Trainer(load_experiment(None, [*COMMON, f"trainer.run_dir={tmp_path / 'b'}"]))
-    batch = next(owg.cfg.input.make_iterator(Split.TRAIN, owg.tokenizer))
+    batch = next(owg.cfg.input.make_iterator(Split.TRAIN, owg.step.tokenizer))
     owg_steps, owg_final = _steps(owg, batch, 2)
     plain_steps, plain_final = _steps(plain, batch, 2)
 
     def independent_grads(state):  # jax.grad of the plain model at the pre-step parameters.
         key = jax.random.fold_in(jax.random.wrap_key_data(state["prng_key"]), state["step"])
-        loss = lambda p: axcore.functional(plain.model, p, (batch,), key, True)[0][0]  # noqa: E731
+        loss = lambda p: axcore.functional(plain.step.model, p, (batch,), key, True)[0][0]  # noqa: E731
         return jax.jit(jax.grad(loss))(_strip(state["params"]))
 
     grads = [_leaves(independent_grads(state)) for state, _ in owg_steps]

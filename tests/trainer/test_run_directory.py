@@ -27,10 +27,9 @@ from axcore import cli
 from axcore.checkpoint import OrbaxBackend
 from axcore.experiment import load_experiment
 from axcore.observe.writers import drop_records_after, read_jsonl_metrics
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.run_dir import FAILED_FILE, LOCK_FILE, RunDirectory, RunDirectoryError
 from axcore.trainer.trainer import Trainer
-
-import tiny
 
 # Seconds a training subprocess may take before it is killed.
 PROCESS_TIMEOUT = 180
@@ -38,7 +37,7 @@ PROCESS_TIMEOUT = 180
 
 def _overrides(run_dir, steps, every=2, extra=()):
     return [
-        *tiny.TINY,
+        *TINY_OVERRIDES,
         f"trainer.run_dir={run_dir}",
         f"trainer.max_steps={steps}",
         "trainer.log_every=1",
@@ -165,8 +164,8 @@ def test_a_second_run_on_the_same_directory_is_refused_and_the_first_is_untouche
     # Nothing corrupted: every checkpoint restores and equals an undisturbed run's, bit for bit.
     reference = tmp_path / "reference"
     assert subprocess.run(command(reference), env=env, capture_output=True, timeout=PROCESS_TIMEOUT).returncode == 0
-    exp = load_experiment("default", [*tiny.TINY, "input.batch_size=4"])
-    target = Trainer(exp).abstract_state()
+    exp = load_experiment("default", [*TINY_OVERRIDES, "input.batch_size=4"])
+    target = Trainer(exp).step.abstract_state()
     backends = [OrbaxBackend(d / "checkpoints") for d in (run_dir, reference)]
     assert backends[0].all_steps() == backends[1].all_steps() == [2, 4, 6, 8]
     for step in (2, 4, 6, 8):
@@ -240,7 +239,7 @@ def test_drop_records_after(tmp_path):
 
 def test_a_model_that_cannot_fit_is_refused_before_anything_exists(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    overrides = [*tiny.TINY, "model.dim=1048576", "model.vocab_size=1024", "trainer.max_steps=1"]  # Width's bound, 2**20.
+    overrides = [*TINY_OVERRIDES, "model.dim=1048576", "model.vocab_size=1024", "trainer.max_steps=1"]  # Width's bound, 2**20.
     assert cli.main(_argv(overrides)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("axcore: error: The train state (parameters and optimizer state) needs ")
@@ -250,7 +249,7 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_exists(tmp_path, cap
 
 def test_a_huge_batch_is_refused_before_it_is_read(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    overrides = [*tiny.TINY, "input.batch_size=1000000000", "trainer.max_steps=1"]
+    overrides = [*TINY_OVERRIDES, "input.batch_size=1000000000", "trainer.max_steps=1"]
     assert cli.main(_argv(overrides)) == 2
     err = capsys.readouterr().err.strip()
     # Every field of the batch schema: 4 int32 fields and a float32 one, 20 bytes per token.
@@ -263,11 +262,11 @@ def test_the_compiled_estimate_is_checked_against_the_device(tmp_path, monkeypat
     from axcore.trainer import memory_check
 
     monkeypatch.chdir(tmp_path)
-    exp = load_experiment("default", [*tiny.TINY, "trainer.max_steps=1"])
-    state_bytes = memory_check._per_device_bytes(Trainer(exp).abstract_state())
+    exp = load_experiment("default", [*TINY_OVERRIDES, "trainer.max_steps=1"])
+    state_bytes = memory_check.per_device_bytes(Trainer(exp).step.abstract_state())
     # Room for the state, not for the step's activations and temporaries.
     monkeypatch.setattr(memory_check, "device_memory_bytes", lambda device: state_bytes + 1)
-    assert cli.main(_argv([*tiny.TINY, "trainer.max_steps=1"])) == 2
+    assert cli.main(_argv([*TINY_OVERRIDES, "trainer.max_steps=1"])) == 2
     err = capsys.readouterr().err
     assert "The compiled train step needs an estimated" in err, err
     assert os.listdir(tmp_path) == []

@@ -15,11 +15,10 @@ from axcore.experiment import load_experiment
 from axcore.kernels import SUPPORTED, reference_dot
 from axcore.observe import read_jsonl_metrics
 from axcore.params import ParameterSpec, constant
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import NonFiniteLossError, Trainer
 
-import tiny
-
-TINY = [*tiny.TINY, "trainer.eval_batches=2", "trainer.sample.num_tokens=8", "trainer.learner.schedule.warmup_steps=2"]
+TINY = [*TINY_OVERRIDES, "trainer.eval_batches=2", "trainer.sample.num_tokens=8", "trainer.learner.schedule.warmup_steps=2"]
 
 
 def _run(run_dir, *extra, stream=None, objects=None):
@@ -33,7 +32,7 @@ def _restore(run_dir, backend, *extra, objects=None):
     )
     trainer = Trainer(exp)
     store = exp.registries.checkpoint_backends[backend](run_dir / "checkpoints")
-    state, metadata = store.restore(trainer.abstract_state())
+    state, metadata = store.restore(trainer.step.abstract_state())
     store.close()
     return jax.device_get(state), metadata
 

@@ -5,7 +5,7 @@ import pytest
 import axcore
 from axcore.errors import ConfigError, ConfigTypeError, UnknownComponentError, UnknownFieldError
 from axcore.experiment import load_experiment
-from axcore.trainer.config import CheckpointConfig, backend_arguments, make_checkpoint_backend
+from axcore.placement.backend import CheckpointConfig, backend_arguments, make_checkpoint_backend
 
 
 class RecordingBackends:

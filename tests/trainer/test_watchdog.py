@@ -14,9 +14,8 @@ import pytest
 
 from axcore.errors import ConfigError
 from axcore.observe import read_jsonl_metrics
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.watchdog import EXIT_HANG, Watchdog
-
-import tiny
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu",
@@ -209,7 +208,7 @@ sys.exit(main(["train", "default", *[a for o in overrides for a in ("--set", o)]
 def test_training_with_a_hanging_data_source_logs_stacks_and_exits(tmp_path):
     run = tmp_path / "run"
     overrides = [
-        *tiny.TINY, f"trainer.run_dir={run}", "plugins=[hang]", "input.source={type: hanging_corpus}",
+        *TINY_OVERRIDES, f"trainer.run_dir={run}", "plugins=[hang]", "input.source={type: hanging_corpus}",
         "trainer.max_steps=500", "trainer.eval_every=0", "trainer.log_every=1", "trainer.checkpoint.every_n_steps=0",
         "trainer.sample.num_tokens=0", "trainer.metrics_writers=[{type: jsonl}]",
         # Tiny timeouts: compiling the first step takes longer, but the watchdog is armed only after it.

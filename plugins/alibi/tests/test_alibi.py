@@ -8,10 +8,9 @@ import axcore
 from axcore.config import find, from_yaml
 from axcore.experiment import load_experiment
 from axcore.layers import LearnedPositionEmbedding, MultiheadAttention
+from axcore.testing import TINY_OVERRIDES, train_params
 
 from axcore_alibi import AlibiBias, alibi_slopes
-
-from tiny import TINY, train_steps
 
 
 def test_slopes_for_a_power_of_two_number_of_heads():
@@ -99,7 +98,7 @@ def test_alibi_is_registered_only_when_enabled():
 
 
 def test_three_tiny_training_steps():
-    exp = load_experiment(None, ["plugins=[alibi]", *TINY])
-    params, losses = train_steps(exp)
+    exp = load_experiment(None, ["plugins=[alibi]", *TINY_OVERRIDES])
+    params, losses = train_params(exp)
     assert "position_embedding" not in params
     assert losses[-1] < losses[0]

@@ -17,17 +17,16 @@ import pytest
 import axcore
 from axcore.data import Split
 from axcore.experiment import load_experiment
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.step import TrainStep
 
 from axcore_dpo import DPO, PreferenceError
-
-import tiny
 
 BETA = 0.5
 SEQ = 64
 PAIRED = ["input.packing=none", "input.shuffle=false", "input.long_documents=error", "input.source.eval_fraction=0",
           "trainer.eval_every=0"]
-BASE = [*tiny.TINY, "plugins=[dpo]", f"input.seq_len={SEQ}", f"model.position_embedding.max_len={SEQ}",
+BASE = [*TINY_OVERRIDES, "plugins=[dpo]", f"input.seq_len={SEQ}", f"model.position_embedding.max_len={SEQ}",
         f"trainer.objective={{type: dpo, beta: {BETA}}}", *PAIRED]
 
 
@@ -182,7 +181,7 @@ def _readme_experiment() -> str:
 
 
 def _train(cwd, *overrides):
-    args = [a for o in [*tiny.TINY, f"input.seq_len={SEQ}", f"model.position_embedding.max_len={SEQ}", *overrides]
+    args = [a for o in [*TINY_OVERRIDES, f"input.seq_len={SEQ}", f"model.position_embedding.max_len={SEQ}", *overrides]
             for a in ("--set", o)]
     return subprocess.run([sys.executable, "-m", "axcore.cli", "train", "exp.yaml", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -30,7 +30,7 @@ from typing import Any
 
 from axcore.checkpoint.interop import ConversionError
 
-from axcore_hf.llama import LAYER_TENSORS, QK_NORM_TENSORS, LlamaConverter, _Fields, first_layer, hf_rope_scaling
+from axcore_hf.llama import LAYER_TENSORS, QK_NORM_TENSORS, ConfigFields, LlamaConverter, first_layer, hf_rope_scaling
 from axcore_hf.patterns import FULL, SLIDING, check_layer_types, decoder_pattern, hf_layer_types, pattern_of
 
 # config.json fields read here (hidden from LlamaConverter, which reads or refuses some of them).
@@ -62,7 +62,7 @@ class GemmaConverter(LlamaConverter):
             return {**config, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
         return {**config, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 
-    def _default_types(self, field: _Fields, num_layers: int) -> list[str]:
+    def _default_types(self, field: ConfigFields, num_layers: int) -> list[str]:
         period = field.int("sliding_window_pattern", 6) if self.gemma3 else 2
         return [SLIDING if (i + 1) % period else FULL for i in range(num_layers)]
 
@@ -86,7 +86,7 @@ class GemmaConverter(LlamaConverter):
 
     def experiment(self, config: Mapping[str, Any], where: str) -> dict[str, Any]:
         """config.json data -> experiment data: the Llama experiment with Gemma's norms, scales, caps and pattern."""
-        field = _Fields(config, where)
+        field = ConfigFields(config, where)
         for name in ("attention_bias", "mlp_bias", "use_bidirectional_attention"):
             if field.get(name, False):
                 raise ConversionError(f"{where}: '{name}' is true, which {self.architecture} import does not support.")

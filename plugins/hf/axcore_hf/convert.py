@@ -43,6 +43,7 @@ from axcore.checkpoint.interop import ConversionError, ModelConverter
 from axcore.errors import AxcoreError, did_you_mean
 from axcore.experiment import load_experiment, search_plugins
 from axcore.inference.run_loading import load_model, locate_run, save_model
+from axcore.placement.layout import config_path
 from axcore.plugin.loading import PluginRequest, installed_entry_points
 
 from axcore_hf import files
@@ -262,7 +263,7 @@ def _refuse_adapters(run: str | os.PathLike) -> None:
     so the export would be the bare base model."""
     run_dir = locate_run(run).run_dir
     try:
-        plugins = (yaml.safe_load((run_dir / "config.yaml").read_text("utf-8")) or {}).get("plugins") or []
+        plugins = (yaml.safe_load(config_path(run_dir).read_text("utf-8")) or {}).get("plugins") or []
     except (OSError, yaml.YAMLError, AttributeError):
         return  # Loading the run names the problem.
     names = {PluginRequest.parse(p).name for p in plugins if isinstance(p, str)}

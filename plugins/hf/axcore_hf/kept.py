@@ -23,6 +23,7 @@ import yaml
 
 from axcore.errors import AxcoreError
 from axcore.inference.run_loading import locate_run
+from axcore.placement.layout import CONFIG_FILE as RUN_CONFIG_FILE
 
 # A run's directory of kept Hugging Face files, and the files kept (besides config.json).
 KEPT_DIR = "hf"
@@ -37,7 +38,7 @@ MAX_HOPS = 32
 
 def _saved_config(run_dir: pathlib.Path) -> dict[str, Any]:
     """The run's saved config.yaml (else experiment.yaml) as plain data; {} when unreadable."""
-    for name in ("config.yaml", "experiment.yaml"):
+    for name in (RUN_CONFIG_FILE, "experiment.yaml"):
         try:
             data = yaml.safe_load((run_dir / name).read_text("utf-8"))
         except (OSError, yaml.YAMLError, UnicodeDecodeError):

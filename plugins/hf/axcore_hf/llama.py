@@ -159,7 +159,7 @@ class LlamaConverter:
 
     def experiment(self, config: Mapping[str, Any], where: str) -> dict[str, Any]:
         """config.json data -> experiment data (`plugins: [rope, swiglu]`, `rope:`, `swiglu:`, `model:`)."""
-        field = _Fields(config, where)
+        field = ConfigFields(config, where)
         for name in ("attention_bias", "mlp_bias"):
             if field.get(name, False):
                 raise ConversionError(
@@ -316,8 +316,12 @@ class LlamaConverter:
         return out
 
 
-class _Fields:
-    """Typed reads of config.json fields; errors name the file and the field."""
+class ConfigFields:
+    """Typed reads of config.json fields; errors name the file and the field.
+
+    Public for the family plugins (qwen, gemma) that read their own fields the same way:
+    `ConfigFields(config, "HF_DIR/config.json").int("num_hidden_layers")`.
+    """
 
     def __init__(self, config: Mapping[str, Any], where: str):
         self.config, self.where = config, where
@@ -346,10 +350,10 @@ def _get_or_none(tree: Mapping, path: tuple[str, ...]) -> Any:
 
 
 def _num_layers(config: Mapping[str, Any], where: str) -> int:
-    return _Fields(config, where).int("num_hidden_layers")
+    return ConfigFields(config, where).int("num_hidden_layers")
 
 
-def rope_settings(field: _Fields) -> dict[str, Any]:
+def rope_settings(field: ConfigFields) -> dict[str, Any]:
     """The `rope:` section for config.json's `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
     params = {**(field.get("rope_scaling", None) or {}), **(field.get("rope_parameters", None) or {})}
     theta = params.get("rope_theta", field.get("rope_theta", 10000.0))
@@ -381,7 +385,7 @@ def rope_settings(field: _Fields) -> dict[str, Any]:
     return settings
 
 
-def yarn_settings(params: Mapping[str, Any], field: _Fields) -> dict[str, Any]:
+def yarn_settings(params: Mapping[str, Any], field: ConfigFields) -> dict[str, Any]:
     """The rope plugin's yarn settings for HF yarn parameters (transformers' `_compute_yarn_parameters`)."""
     original = params.get("original_max_position_embeddings") or field.get("max_position_embeddings", None)
     factor = params.get("factor") or (field.int("max_position_embeddings") / original if original else None)

@@ -24,6 +24,7 @@ from typing import Any
 
 from axcore.checkpoint import restore_verified
 from axcore.checkpoint.plugin import BACKENDS
+from axcore.placement.layout import checkpoints_path
 from axcore.plugin.loading import PluginRequest
 
 # The backend's registered name, and the metadata key marking its steps.
@@ -63,8 +64,7 @@ def _without_base(state: Any) -> Any:
 
 def checkpoints_dir(run: str | os.PathLike) -> pathlib.Path:
     """`run/checkpoints` if `run` is a run directory, else `run` (a checkpoints directory)."""
-    run = pathlib.Path(run)
-    return run / "checkpoints" if (run / "checkpoints").is_dir() else run
+    return checkpoints_path(run) if checkpoints_path(run).is_dir() else pathlib.Path(run)
 
 
 class AdapterCheckpoints:

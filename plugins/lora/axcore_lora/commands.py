@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from axcore.cli.common import add_experiment, overrides
+from axcore.plugin.commands import add_experiment, overrides
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -47,6 +47,7 @@ import yaml
 
 from axcore.experiment import load_experiment
 from axcore.inference.run_loading import load_model, locate_run, save_model
+from axcore.placement.layout import checkpoints_path, config_path
 
 from axcore_hf.kept import copy_kept
 from axcore_lora.checkpoint import plain_config, publish_run
@@ -151,7 +152,7 @@ def _raw_config(run: str | os.PathLike) -> dict:
     import's), else its saved `config.yaml` without the resolved marker."""
     run_dir = locate_run(run).run_dir
     source = run_dir / "experiment.yaml"
-    raw = yaml.safe_load((source if source.is_file() else run_dir / "config.yaml").read_text("utf-8"))
+    raw = yaml.safe_load((source if source.is_file() else config_path(run_dir)).read_text("utf-8"))
     raw.pop("resolved_by", None)
     raw.pop("init_from", None)  # A saved config is already merged onto its base run: never merged again.
     return raw
@@ -273,13 +274,13 @@ def init(base_run: str | os.PathLike, out: str | os.PathLike, settings: dict) ->
 def _save_base(experiment: Any, params: Any, base_dir: pathlib.Path) -> None:
     """Writes the frozen parameters of `params` (the adapters left out) as step 0 of `base_dir/checkpoints`."""
     from axcore.checkpoint.plugin import BACKENDS
-    from axcore.trainer.resume import params_only_metadata
+    from axcore.placement.backend import params_only_metadata
 
     from axcore_lora.checkpoint import split_params
 
     _, frozen = split_params(params)
     settings = experiment.config.trainer.checkpoint.backend_settings
-    backend = BACKENDS[settings["inner"]](base_dir / "checkpoints", async_save=False, **settings["inner_settings"])
+    backend = BACKENDS[settings["inner"]](checkpoints_path(base_dir), async_save=False, **settings["inner_settings"])
     try:
         backend.save(0, {"params": jax.tree.map(jax.numpy.asarray, frozen)},
                      params_only_metadata(0, experiment.config.trainer.seed))

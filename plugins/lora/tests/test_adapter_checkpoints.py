@@ -16,13 +16,12 @@ from axcore.cli import main
 from axcore.data import Split
 from axcore.experiment import load_experiment
 from axcore.inference.run_loading import save_model
-from axcore.trainer.config import make_checkpoint_backend
+from axcore.placement.backend import make_checkpoint_backend
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.resume import restore_train_state
 from axcore.trainer.step import TrainStep
 
 from axcore_lora import LoraConfigError
-
-import tiny
 
 
 def _flat(tree):
@@ -33,7 +32,7 @@ def _flat(tree):
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
-    exp = load_experiment(None, [*tiny.TINY, f"trainer.run_dir={root / 'base'}"])
+    exp = load_experiment(None, [*TINY_OVERRIDES, f"trainer.run_dir={root / 'base'}"])
     model = exp.config.model.instantiate(name="model", registries=exp.registries)
     save_model(exp, jax.jit(model.initialize)(jax.random.key(7)), root / "base")
     return root
@@ -130,4 +129,4 @@ def _nested(flat, prefix):
 
 def test_adapters_only_needs_a_base_run():
     with pytest.raises(LoraConfigError, match=r"'lora\.checkpoint' is adapters but 'lora\.base_run' is not set"):
-        load_experiment(None, [*tiny.TINY, "plugins=[lora]", "lora.checkpoint=adapters"])
+        load_experiment(None, [*TINY_OVERRIDES, "plugins=[lora]", "lora.checkpoint=adapters"])

@@ -1,6 +1,6 @@
 """The lora plugin on the tiny model: fresh adapters change nothing, only adapters train, bad settings refused.
 
-Tiny model (tests/tiny.py): dim 32, 2 layers, 2 heads of 16, feed-forward hidden 64 (up/down),
+Tiny model (axcore.testing.TINY_OVERRIDES): dim 32, 2 layers, 2 heads of 16, feed-forward hidden 64 (up/down),
 so per layer the targeted projections are q, k, v `[32 -> 32]`, o `[32 -> 32]`, up `[32 -> 64]`
 and down `[64 -> 32]`.
 """
@@ -14,11 +14,10 @@ import pytest
 import axcore
 from axcore.data import Split
 from axcore.experiment import load_experiment
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.step import TrainStep
 
 from axcore_lora import LoraConfigError
-
-import tiny
 
 RANK = 4
 # (in, out) of every targeted projection of one tiny layer.
@@ -26,7 +25,7 @@ SITES = {"q": (32, 32), "k": (32, 32), "v": (32, 32), "o": (32, 32), "up": (32, 
 
 
 def _experiment(*extra):
-    return load_experiment(None, [*tiny.TINY, "plugins=[lora]", f"lora.rank={RANK}", *extra])
+    return load_experiment(None, [*TINY_OVERRIDES, "plugins=[lora]", f"lora.rank={RANK}", *extra])
 
 
 def _flat(tree):
@@ -35,7 +34,7 @@ def _flat(tree):
 
 
 def test_fresh_adapters_give_the_base_logits_exactly():
-    exp, base = _experiment(), load_experiment(None, tiny.TINY)
+    exp, base = _experiment(), load_experiment(None, TINY_OVERRIDES)
     model = exp.config.model.instantiate(name="model", registries=exp.registries)
     base_model = base.config.model.instantiate(name="model", registries=base.registries)
     params, base_params = model.initialize(jax.random.key(0)), base_model.initialize(jax.random.key(0))
@@ -141,5 +140,5 @@ def test_no_gradient_is_computed_for_the_base_weights():
         return _dot_output_shapes(jax.make_jaxpr(step.train_step)(step.abstract_state(), step.abstract_batch()).jaxpr)
 
     frozen = {(32, 64), (64, 32)}
-    assert frozen <= shapes(load_experiment(None, tiny.TINY))
+    assert frozen <= shapes(load_experiment(None, TINY_OVERRIDES))
     assert not frozen & shapes(_experiment())

@@ -11,10 +11,9 @@ import numpy as np
 
 from axcore.data import Split
 from axcore.experiment import load_experiment
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.resume import fresh_train_state
 from axcore.trainer.step import TrainStep
-
-import tiny
 
 SCAN = ["model.decoder.type=repeated_transformer", "model.decoder.layer.self_attention.causal=true",
         "model.decoder.layer.self_attention.num_heads=2", "model.decoder.layer.feed_forward.hidden_dim=64"]
@@ -38,7 +37,7 @@ def _train(exp, params, batch, steps=3):
 
 def test_scanned_qlora_trains_like_the_unrolled_stack():
     """NF4 base (the float LoRA path is the same kernel with the reference dot for the base)."""
-    common = [*tiny.TINY, "plugins=[lora]", "lora.rank=4", "lora.base_format=nf4",
+    common = [*TINY_OVERRIDES, "plugins=[lora]", "lora.rank=4", "lora.base_format=nf4",
               "trainer.learner.learning_rate=0.01", "trainer.learner.schedule.warmup_steps=0"]
     unrolled_exp, scanned_exp = load_experiment(None, common), load_experiment(None, [*common, *SCAN])
     model = unrolled_exp.config.model.instantiate(name="model", registries=unrolled_exp.registries)

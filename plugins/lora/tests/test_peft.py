@@ -1,6 +1,6 @@
 """PEFT interop of the lora plugin, with `peft` and `transformers` as the oracle.
 
-A tiny random Llama (as tests/plugins/test_hf_convert.py builds it) is imported with the
+A tiny random Llama (as plugins/hf/tests/test_hf_convert.py builds it) is imported with the
 hf plugin; a PEFT LoRA adapter with random (non-zero) A and B is made by `peft` on the
 transformers model. Imported into axcore (`axcore lora import-peft`), the LoRA run's
 logits equal the PEFT model's within 1e-4; exported back (`export-peft`) the files hold

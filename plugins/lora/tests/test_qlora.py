@@ -1,6 +1,6 @@
 """QLoRA (`lora.base_format: int8 | nf4`) on the tiny model, against an independent NumPy quantizer.
 
-Tiny model (tests/tiny.py): dim 32, 2 layers, 2 heads of 16, feed-forward hidden 64; the
+Tiny model (axcore.testing.TINY_OVERRIDES): dim 32, 2 layers, 2 heads of 16, feed-forward hidden 64; the
 targeted weights are q, k, v `[32, 2, 16]`, o `[2, 16, 32]`, up `[32, 64]`, down `[64, 32]`
 per layer. The quantized model is initialised with the same key as the plain float model,
 so its stored base must be the float model's weights quantized.
@@ -16,12 +16,11 @@ from scipy.stats import norm
 import axcore
 from axcore.data import Split
 from axcore.experiment import load_experiment
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.step import TrainStep
 
 from axcore_lora import LoraConfigError
 from axcore_lora.memory import train_state_memory
-
-import tiny
 
 RANK = 4
 # (in, out) of every targeted projection of one tiny layer.
@@ -29,7 +28,7 @@ SITES = {"q": (32, 32), "k": (32, 32), "v": (32, 32), "o": (32, 32), "up": (32, 
 
 
 def _experiment(fmt, *extra):
-    return load_experiment(None, [*tiny.TINY, "plugins=[lora]", f"lora.rank={RANK}", f"lora.base_format={fmt}",
+    return load_experiment(None, [*TINY_OVERRIDES, "plugins=[lora]", f"lora.rank={RANK}", f"lora.base_format={fmt}",
                                   *extra])
 
 
@@ -102,7 +101,7 @@ def bound(fmt, scales, shape):
 
 @pytest.fixture(scope="module")
 def float_model():
-    model, params = _init(load_experiment(None, tiny.TINY))
+    model, params = _init(load_experiment(None, TINY_OVERRIDES))
     return model, jax.device_get(params)
 
 
@@ -193,7 +192,7 @@ def test_a_bad_base_format_or_a_quantized_tied_head_is_refused_and_the_cli_repor
     from axcore.cli import main
 
     assert main(["lora", "memory", "default", "--set", "plugins=[lora]", "--set", "lora.base_format=nf4",
-                 *[f"--set={o}" for o in tiny.TINY]]) == 0
+                 *[f"--set={o}" for o in TINY_OVERRIDES]]) == 0
     assert "base_bytes_per_parameter: 0.5625" in capsys.readouterr().out
 
 

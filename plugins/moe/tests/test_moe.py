@@ -9,16 +9,15 @@ import yaml
 from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
 from axcore.observe import read_jsonl_metrics
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import Trainer
-
-import tiny
 
 GOLDEN = pathlib.Path(__file__).resolve().parents[3] / "tests" / "golden"
 FIXED_MESH = "mesh.instance_type=cpu-1"
 # As in tests/trainer/test_trainer.py, without sampling or evaluation.
 # Metrics are fetched every step (log_every=1), so each step writes a record.
 TINY = [
-    *tiny.TINY, "trainer.eval_every=0", "trainer.sample.num_tokens=0", "trainer.learner.schedule.warmup_steps=2",
+    *TINY_OVERRIDES, "trainer.eval_every=0", "trainer.sample.num_tokens=0", "trainer.learner.schedule.warmup_steps=2",
     "trainer.max_steps=3", "trainer.log_every=1",
 ]
 

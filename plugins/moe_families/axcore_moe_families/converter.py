@@ -168,7 +168,7 @@ def _shapes(tree: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class MoEConverter:
-    """An `axcore.interop.ModelConverter` for one `MoEFamily` (module docstring)."""
+    """An `axcore.checkpoint.interop.ModelConverter` for one `MoEFamily` (module docstring)."""
 
     # The family converted.
     family: MoEFamily

@@ -31,7 +31,7 @@ from typing import Any
 
 from axcore.checkpoint.interop import ConversionError
 
-from axcore_hf.llama import LAYER_TENSORS, QK_NORM_TENSORS, LlamaConverter, _Fields, first_layer
+from axcore_hf.llama import LAYER_TENSORS, QK_NORM_TENSORS, ConfigFields, LlamaConverter, first_layer
 from axcore_hf.patterns import FULL, SLIDING, check_layer_types, decoder_pattern, hf_layer_types
 
 # config.json fields this module reads itself (hidden from LlamaConverter, which refuses some of them).
@@ -64,7 +64,7 @@ class QwenConverter(LlamaConverter):
 
     def experiment(self, config: Mapping[str, Any], where: str) -> dict[str, Any]:
         """config.json data -> experiment data: the Llama experiment plus biases, QK-norm and the layer pattern."""
-        field = _Fields(config, where)
+        field = ConfigFields(config, where)
         if field.get("mlp_bias", False):
             raise ConversionError(f"{where}: 'mlp_bias' is true, but {self.architecture} MLPs have no biases.")
         num_layers = field.int("num_hidden_layers")

@@ -27,15 +27,14 @@ from axcore.layers import (
     TransformerLayer,
 )
 from axcore.params import ParameterSpec
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer.trainer import Trainer
 
 from axcore_rope import RotaryEmbedding, plugin
 
-import tiny
-
 REPO = pathlib.Path(__file__).resolve().parents[3]
 SLOT = "model.decoder.layer.self_attention.position_embedding"
-TINY = tiny.TINY
+TINY = TINY_OVERRIDES
 
 
 def _write(tmp_path, data, name="exp.yaml"):

@@ -10,11 +10,9 @@ from axcore.config import find
 from axcore.errors import ConfigError
 from axcore.experiment import load_experiment
 from axcore.layers import Activation, CausalLM, FeedForward, Linear
+from axcore.testing import NP_ACTIVATIONS, TINY_OVERRIDES, train_params
 
 from axcore_swiglu import GatedFeedForward, gated_hidden_dim
-
-from numpy_ref import NP_ACTIVATIONS
-from tiny import TINY, train_steps
 
 RTOL = ATOL = 1e-5
 
@@ -156,7 +154,7 @@ def test_multiplier_needs_a_hidden_dim():
 
 
 def test_three_tiny_training_steps():
-    exp = load_experiment(None, ["plugins=[swiglu]", *TINY])
-    params, losses = train_steps(exp)
+    exp = load_experiment(None, ["plugins=[swiglu]", *TINY_OVERRIDES])
+    params, losses = train_params(exp)
     assert set(params["decoder"]["layer0"]["feed_forward"]) == {"gate_proj", "up_proj", "down_proj"}
     assert losses[-1] < losses[0]

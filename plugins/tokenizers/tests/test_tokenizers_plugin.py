@@ -15,9 +15,8 @@ from transformers import PreTrainedTokenizerFast
 import axcore
 from axcore.cli import main
 from axcore.data import Split
+from axcore.testing import TINY_OVERRIDES
 from axcore.trainer import trainer as trainer_module
-
-import tiny
 
 pytest.importorskip("axcore_tokenizers")
 from axcore_tokenizers import HFTokenizer, TokenizerFileError
@@ -121,7 +120,7 @@ def test_text_sources_tokenize_documents_with_it(tmp_path, tokenizer_file):
         (tmp_path / f"d{i}.txt").write_text(doc)
     source_cfg = f"input.source={{type: text_files, paths: {paths}, eval_fraction: 0.25}}"
     exp = axcore.load_experiment(
-        None, [*tiny.TINY, source_cfg, "plugins=[hf_tokenizer]", f"tokenizer={{type: hf, path: {tokenizer_file}}}",
+        None, [*TINY_OVERRIDES, source_cfg, "plugins=[hf_tokenizer]", f"tokenizer={{type: hf, path: {tokenizer_file}}}",
                "model.vocab_size=400", "input.seq_len=8"]
     )
     source = exp.config.input.source.instantiate()
@@ -163,7 +162,7 @@ def test_axcore_train_tokenizes_its_text_source_with_it(tmp_path, tokenizer_file
     make = trainer_module.input_pipeline
     monkeypatch.setattr(trainer_module, "input_pipeline", recording_pipeline)
     source = f"{{type: text_files, paths: [{corpus}, {held_out}], eval_fraction: 0.5}}"  # The second file is held out.
-    overrides = [*tiny.TINY, "plugins=[hf_tokenizer]", "tokenizer={type: hf, path: tok, add_bos: true}",
+    overrides = [*TINY_OVERRIDES, "plugins=[hf_tokenizer]", "tokenizer={type: hf, path: tok, add_bos: true}",
                  "model.vocab_size=336", f"input.source={source}", "input.shuffle=false", "input.seq_len=16",
                  "input.packing=concat", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.eval_batches=1",
                  "trainer.sample.num_tokens=4", "trainer.sample.temperature=0", "trainer.metrics_writers=[]",

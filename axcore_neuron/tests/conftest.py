@@ -1,0 +1,9 @@
+"""Makes the axcore-neuron package importable without installing it (CI installs only axcore and plugins/*/)."""
+
+import pathlib
+import sys
+
+NEURON_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+if str(NEURON_PACKAGE_ROOT) not in sys.path:
+    sys.path.insert(0, str(NEURON_PACKAGE_ROOT))

@@ -1,9 +1,0 @@
-"""Makes the axcore-gpu package importable without installing it (CI installs only axcore and plugins/*/)."""
-
-import pathlib
-import sys
-
-GPU_PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[2] / "axcore_gpu"
-
-if str(GPU_PACKAGE_ROOT) not in sys.path:
-    sys.path.insert(0, str(GPU_PACKAGE_ROOT))
