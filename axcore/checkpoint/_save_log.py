@@ -135,7 +135,8 @@ def save_reports_to(path: str | os.PathLike) -> Iterator[None]:
     global _active, _lingering
     report = _Report(pathlib.Path(path), _orbax_dirs())
     previous = sys.unraisablehook
-    logger, asyncio_logger, asyncio_report = logging.getLogger(_LOGGER), logging.getLogger(_ASYNCIO_LOGGER), _AsyncioReport(report)
+    logger, asyncio_logger = logging.getLogger(_LOGGER), logging.getLogger(_ASYNCIO_LOGGER)
+    asyncio_report = _AsyncioReport(report)
     logger.addFilter(report)
     asyncio_logger.removeFilter(_lingering)
     asyncio_logger.addFilter(asyncio_report)
