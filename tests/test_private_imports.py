@@ -125,7 +125,7 @@ def _offences(path: pathlib.Path) -> list[str]:
 
 def _sources() -> list[pathlib.Path]:
     folders = [ROOT / "axcore", ROOT / "plugins", ROOT / "benchmarks", ROOT / "tests", *ROOT.glob("axcore_*")]
-    return sorted(p for folder in folders for p in folder.rglob("*.py") if ".venv" not in p.parts)
+    return sorted(p for folder in folders for p in folder.rglob("*.py") if not {".venv", "build"} & set(p.parts))
 
 
 def test_no_source_imports_another_packages_private_names():
