@@ -17,8 +17,9 @@ each row independently:
 6. min-p: tokens whose probability (renormalised after top-p) is below `min_p` times the
    most likely one's are dropped;
 
-and draws one token from the rest with the row's own key. The max-logit token survives
-every filter, so a row always has a token to draw.
+and draws one token from the rest with the row's own key (one uniform per row, inverting
+the cumulative distribution of the kept tokens). The max-logit token survives every
+filter, so a row always has a token to draw.
 
 Log-probabilities (choice of this module): those of the PROCESSED distribution after
 steps 1-3, before the filters: `log_softmax(penalised logits / temperature)`, with
@@ -51,6 +52,9 @@ from axcore.engine.requests import SamplingParams
 # Static widths of the top log-probability arrays: the requested N rounded up to one of
 # these, so a step compiles one program per bucket (requests ask for at most 20).
 TOP_LOGPROBS_BUCKETS = (0, 1, 2, 5, 10, 20)
+# Largest logits per row from which top-k and top-p are decided (`lax.top_k`, far cheaper than
+# sorting a vocabulary); a row whose k or nucleus reaches past them falls back to a bisection.
+FILTER_CANDIDATES = 256
 # uint32 words of a row's key data (threefry's key: SamplingBatch.key_words).
 _KEY_WORDS = 2
 
@@ -197,35 +201,127 @@ def apply_penalties(logits: jax.Array, batch: SamplingBatch, history: jax.Array,
             - batch.presence_penalty[:, None] * (counts > 0).astype(jnp.float32))
 
 
-def filter_logits(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:
-    """Top-k, then top-p, then min-p (module docstring, steps 4-6): dropped tokens become -inf.
+def _any_penalty(batch: SamplingBatch) -> jax.Array:
+    """Whether some row has a penalty (scalar bool)."""
+    return jnp.any((batch.repetition_penalty != 1) | (batch.presence_penalty != 0) | (batch.frequency_penalty != 0))
+
+
+def _any_filter(batch: SamplingBatch, vocab: int) -> jax.Array:
+    """Whether some drawing row has a top-k, top-p or min-p that can drop a token (scalar bool)."""
+    filters = ((batch.top_k > 0) & (batch.top_k < vocab)) | (batch.top_p < 1) | (batch.min_p > 0)
+    return jnp.any(filters & (batch.temperature > 0))
+
+
+def _prefix_threshold(scaled: jax.Array, prefix: jax.Array, batch: SamplingBatch):
+    """The top-k and top-p threshold of each row from the C largest scaled logits `prefix [B, C]`
+    (descending); returns (threshold [B, 1], whether the prefix decided it exactly [B], the
+    top-k threshold alone [B, 1], exact where k <= C)."""
+    vocab, width = scaled.shape[-1], prefix.shape[-1]
+    k = jnp.where(batch.top_k > 0, jnp.minimum(batch.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(prefix, (jnp.minimum(k, width) - 1)[:, None], axis=-1)  # [B, 1]
+    top_k = jnp.where((k < vocab)[:, None], kth, -jnp.inf)  # Ties at the k-th value are kept.
+    # The nucleus, in probabilities renormalised over the top-k tokens (all of them, beyond the prefix too).
+    log_total = jax.nn.logsumexp(jnp.where(scaled >= top_k, scaled, -jnp.inf), axis=-1, keepdims=True)
+    probs = jnp.where(prefix >= top_k, jnp.exp(prefix - log_total), 0.0)
+    before = jnp.cumsum(probs, axis=-1) - probs  # Probability of the tokens ranked above each one.
+    nucleus = (prefix >= top_k) & (before < batch.top_p[:, None])  # The first token always (before = 0).
+    top_p = jnp.where(batch.top_p[:, None] < 1, jnp.min(jnp.where(nucleus, prefix, jnp.inf), -1, keepdims=True), -jnp.inf)
+    # Exact unless the k-th value or the nucleus's end may lie past the prefix.
+    exact = (width == vocab) | (((k <= width) | (k == vocab)) & ((batch.top_p >= 1) | ~nucleus[:, -1]))
+    return jnp.maximum(top_k, top_p), exact, top_k
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order (a float's bits, negatives flipped)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _from_order_keys(keys: jax.Array) -> jax.Array:
+    """The inverse of `_order_keys`."""
+    bits = jnp.where(keys >> 31 == 1, keys & jnp.uint32(0x7FFFFFFF), ~keys)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _smallest_key(keys: jax.Array, below) -> jax.Array:
+    """The smallest uint32 t per row with `below(keys > t)` true ([B, V] bool -> [B] bool, monotone:
+    true for the row's largest key), by bisection over the 32 bits: [B, 1] uint32."""
+
+    def halve(_, bounds):
+        low, high = bounds
+        middle = low + (high - low) // 2
+        ok = below(keys > middle)[:, None]
+        return jnp.where(ok, low, middle + 1), jnp.where(ok, middle, high)
+
+    low = jnp.zeros_like(keys[:, :1])
+    return jax.lax.fori_loop(0, 32, halve, (low, jnp.max(keys, axis=-1, keepdims=True)))[1]
+
+
+def _bisected_threshold(scaled: jax.Array, batch: SamplingBatch, prefix_top_k: jax.Array) -> jax.Array:
+    """The top-k and top-p threshold of each row, exactly, without sorting: [B, 1].
+
+    The k-th largest logit is the smallest t with fewer than k logits above it (bisected
+    only where some k reaches past the prefix; else `prefix_top_k [B, 1]`, the prefix's);
+    the nucleus's last logit, the smallest t with less than `top_p` of the mass above it."""
+    vocab, width = scaled.shape[-1], min(scaled.shape[-1], FILTER_CANDIDATES)
+    keys = _order_keys(scaled)
+    k = jnp.where(batch.top_k > 0, jnp.minimum(batch.top_k, vocab), vocab)
+
+    def bisect_top_k():
+        kth = _from_order_keys(_smallest_key(keys, lambda above: jnp.sum(above, axis=-1) < k))
+        return jnp.where((k < vocab)[:, None], kth, -jnp.inf)
+
+    top_k = jax.lax.cond(jnp.any((k > width) & (k < vocab)), bisect_top_k, lambda: prefix_top_k)
+    log_total = jax.nn.logsumexp(jnp.where(scaled >= top_k, scaled, -jnp.inf), axis=-1, keepdims=True)
+    probs = jnp.where(scaled >= top_k, jnp.exp(scaled - log_total), 0.0)
+    last = _from_order_keys(_smallest_key(keys, lambda above: jnp.sum(jnp.where(above, probs, 0.0), -1) < batch.top_p))
+    return jnp.maximum(top_k, jnp.where(batch.top_p[:, None] < 1, last, -jnp.inf))
+
+
+def filter_threshold(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """The smallest kept logit of each row after top-k, top-p and min-p (module docstring, steps 4-6).
+
+    The top-k and top-p thresholds come from the `FILTER_CANDIDATES` largest logits
+    (`lax.top_k`), or, when a row's k or nucleus reaches past them, from a bisection
+    over the whole vocabulary (32 masked sums per threshold; no sort).
 
     Args:
         scaled: [B, V] float32 logits after penalties and temperature.
         batch: the rows' parameters.
 
     Returns:
-        [B, V] float32: `scaled` where a token is kept, -inf elsewhere.
+        [B, 1] float32: a row keeps exactly its tokens whose `scaled` logit is >= it.
     """
     vocab = scaled.shape[-1]
-    ordered = -jnp.sort(-scaled, axis=-1)  # [B, V] descending.
-    k = jnp.where(batch.top_k > 0, jnp.minimum(batch.top_k, vocab), vocab)
-    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)  # [B, 1]
-    in_top_k = ordered >= kth
-    probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # Probability of the tokens ranked above each one.
-    nucleus = in_top_k & (before < batch.top_p[:, None])  # The first token always (before = 0).
-    threshold = jnp.min(jnp.where(nucleus, ordered, jnp.inf), axis=-1, keepdims=True)
-    kept = scaled >= threshold
-    # min-p: p_i / p_max = exp(l_i - l_max), the renormalisation cancels.
-    relative = jnp.exp(scaled - ordered[:, :1])
-    kept = kept & (relative >= batch.min_p[:, None])
-    return jnp.where(kept, scaled, -jnp.inf)
+    prefix = jax.lax.top_k(scaled, min(vocab, FILTER_CANDIDATES))[0]
+    threshold, exact, top_k = _prefix_threshold(scaled, prefix, batch)
+    if vocab > FILTER_CANDIDATES:
+        threshold = jax.lax.cond(jnp.all(exact | (batch.temperature <= 0)), lambda: threshold, lambda: _bisected_threshold(scaled, batch, top_k))
+    # min-p: p_i / p_max = exp(l_i - l_max) >= min_p (the renormalisation cancels); log(0) = -inf keeps all.
+    min_p = jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(batch.min_p[:, None])
+    return jnp.maximum(threshold, min_p)
+
+
+def filter_logits(scaled: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """`scaled [B, V]` where `filter_threshold` keeps a token, -inf elsewhere."""
+    return jnp.where(scaled >= filter_threshold(scaled, batch), scaled, -jnp.inf)
+
+
+def _draw(scaled: jax.Array, threshold: jax.Array, keys: jax.Array) -> jax.Array:
+    """One token per row from softmax(scaled) restricted to `scaled >= threshold`, by inverting
+    its cumulative distribution at one uniform in (0, 1] per row: [B] int32."""
+    weights = jnp.where(scaled >= threshold, jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
+    cumulative = jnp.cumsum(weights, axis=-1)
+    uniform = 1.0 - jax.vmap(jax.random.uniform)(keys)  # (0, 1]: the token found has a weight > 0.
+    target = uniform[:, None] * cumulative[:, -1:]
+    return jnp.minimum(jnp.sum(cumulative < target, axis=-1), scaled.shape[-1] - 1).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, batch: SamplingBatch, history: jax.Array | None = None,
            prompt_lens: jax.Array | None = None) -> SampleOutput:
     """Chooses one token per row with that row's parameters (module docstring); jittable, on the device.
+
+    Work no row needs is skipped at run time (`lax.cond`): the penalties, the filters, the draw.
 
     Args:
         logits: [B, V] float32 logits of each row's last valid token.
@@ -239,13 +335,18 @@ def sample(logits: jax.Array, batch: SamplingBatch, history: jax.Array | None = 
         ids and log-probabilities [B, K]. Rows are independent of each other.
     """
     logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
     if history is not None:
-        logits = apply_penalties(logits, batch, history, prompt_lens)
+        logits = jax.lax.cond(_any_penalty(batch), lambda: apply_penalties(logits, batch, history, prompt_lens),
+                              lambda: logits)
     greedy = batch.temperature <= 0
     scaled = logits / jnp.where(greedy, 1.0, batch.temperature)[:, None]
     logprobs = jax.nn.log_softmax(scaled, axis=-1)
+    threshold = jax.lax.cond(_any_filter(batch, vocab), lambda: filter_threshold(scaled, batch),
+                             lambda: jnp.full((scaled.shape[0], 1), -jnp.inf))
     keys = row_keys(batch.key_words, batch.position)
-    drawn = jax.vmap(jax.random.categorical)(keys, filter_logits(scaled, batch))
+    drawn = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros(scaled.shape[0], jnp.int32),
+                         lambda: _draw(scaled, threshold, keys))
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     top_ids, top_values = top_logprobs(logprobs, batch.top_n, normalized=True)

@@ -10,6 +10,7 @@ import pytest
 
 from axcore.engine.requests import SamplingParams
 from axcore.engine.sampling import (
+    FILTER_CANDIDATES,
     SamplingBatch,
     SamplingRow,
     apply_penalties,
@@ -119,6 +120,25 @@ def test_each_filter_alone_and_combined_keeps_numpys_tokens_in_one_call():
         np.testing.assert_array_equal(kept[b], np_distribution(logits[b], p) > 0, err_msg=str(p))
     sizes = kept.sum(axis=1)
     assert sizes[0] == VOCAB and sizes[1] == 5 and sizes[2] == 1 and 1 < sizes[4] < VOCAB and 1 < sizes[6] < VOCAB
+
+
+def test_a_large_vocabulary_keeps_numpys_tokens_from_the_candidates_or_the_bisection():
+    vocab = FILTER_CANDIDATES + 344
+    rng = np.random.default_rng(5)
+    peaked = [SamplingParams(temperature=0.5, top_p=0.9), SamplingParams(temperature=1.0, top_k=40, top_p=0.95),
+              SamplingParams(temperature=1.0, top_k=3, min_p=0.2)]
+    wide = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_k=FILTER_CANDIDATES + 100),
+            SamplingParams(temperature=2.0, top_k=FILTER_CANDIDATES + 50, top_p=0.8, min_p=0.5)]
+    logits = np.concatenate([rng.normal(0, 4, (3, vocab)), rng.normal(0, 0.3, (3, vocab))]).astype(np.float32)
+    expected = [np_distribution(row, p) > 0 for row, p in zip(logits, peaked + wide)]
+    assert max(e.sum() for e in expected[:3]) < FILTER_CANDIDATES < min(e.sum() for e in expected[3:5])
+    filtered = jax.jit(filter_logits)
+    unfiltered = [SamplingParams()] * 3  # They keep every token: with them the candidates decide.
+    for params in (peaked + unfiltered, peaked + wide):  # With the wide rows: the bisection.
+        scaled = logits / np.array([p.temperature for p in params], np.float32)[:, None]
+        kept = np.isfinite(np.asarray(filtered(jnp.asarray(scaled), _batch(params))))
+        for b, p in enumerate(params):
+            np.testing.assert_array_equal(kept[b], np_distribution(logits[b], p) > 0, err_msg=str(p))
 
 
 DRAWS = 20_000
