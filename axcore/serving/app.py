@@ -180,7 +180,7 @@ async def _completions(state: ServerState, request: CompletionRequest, http: Req
     prompts = request.prompts()
     ids = [state.frontend.encode(p, param="prompt") for p in prompts]
     score_only = request.max_tokens == 0
-    max_tokens = 16 if request.max_tokens is None else max(request.max_tokens, 1)
+    max_tokens = 1 if score_only else (16 if request.max_tokens is None else request.max_tokens)
     prompt_logprobs = request.logprobs if (request.echo and request.logprobs is not None) else None
     params = sampling_params(request, max_tokens=max_tokens, logprobs=request.logprobs,
                              prompt_logprobs=prompt_logprobs)
@@ -194,15 +194,15 @@ async def _chat(state: ServerState, request: ChatCompletionRequest, http: Reques
     arrival = time.monotonic()
     request.refuse_unimplemented()
     model, adapter = state.model(request.model)
-    prompt = state.frontend.render([m.as_dict() for m in request.messages])
     chosen = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     max_tokens = state.settings.default_max_tokens if chosen is None else chosen
     top = (request.top_logprobs or 0) if request.logprobs else None
-    extra_stop = (prompt.marker,) if prompt.marker else ()
-    params = sampling_params(request, max_tokens=max_tokens, logprobs=top, renamed={"logprobs": "top_logprobs"},
-                             extra_stop=extra_stop, extra_stop_ids=prompt.marker_ids)
     if request.max_completion_tokens is not None and request.max_completion_tokens < 1:
         raise RequestError("'max_completion_tokens' must be an integer >= 1.", param="max_completion_tokens")
+    marker = state.frontend.marker
+    params = sampling_params(request, max_tokens=max_tokens, logprobs=top, renamed={"logprobs": "top_logprobs"},
+                             extra_stop=(marker,) if marker else (), extra_stop_ids=state.frontend.marker_ids)
+    prompt = state.frontend.render([m.as_dict() for m in request.messages])
     answer = Answer("chat", f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, [prompt.token_ids],
                     params.stop, top, None, False, state.frontend)
     return await _run(state, answer, params, adapter, request, http, arrival)
