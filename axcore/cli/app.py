@@ -15,6 +15,8 @@
                 [--max-batches N] [--step S] [--json]  held-out loss and perplexity of a checkpoint
     axcore generate RUN_OR_CKPT --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
                                                        continue prompts with a run's model (KV-cache decoding)
+    axcore serve RUN_OR_HF_DIR [--host H] [--port P] [--api-key KEY] [--max-waiting N]
+                                                       an OpenAI-compatible HTTP server over a run's model
     axcore NAME [ARGS ...]                             a command added by a plugin
 
 Only argparse (and the names of the built-in commands) is imported at module level,
@@ -111,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_arguments(
         sub.add_parser("generate", help="continue prompts with a run's model (KV-cache decoding)")
     )
-    from axcore.cli import prepare
+    from axcore.cli import prepare, serve
+
+    serve.add_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server over a run's model"))
 
     prepare.add_arguments(
         sub.add_parser("prepare", help="tokenize a corpus once into prepared token shards (training reads those)")
@@ -193,6 +197,7 @@ COMMANDS = {
     "eval": "axcore.cli.eval",
     "generate": "axcore.cli.generate",
     "prepare": "axcore.cli.prepare",
+    "serve": "axcore.cli.serve",
 }
 
 

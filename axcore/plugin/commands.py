@@ -31,7 +31,7 @@ from axcore.plugin.entry_points import autoload_disabled, distribution_of, insta
 from axcore.registry import Provenance, Registry
 
 # The `axcore` command's own sub-commands; plugins may not register these names.
-BUILTIN_COMMANDS = ("train", "config", "plugins", "compile", "loc", "new-plugin", "eval", "generate", "prepare")
+BUILTIN_COMMANDS = ("train", "config", "plugins", "compile", "loc", "new-plugin", "eval", "generate", "prepare", "serve")
 
 
 def add_experiment(parser: argparse.ArgumentParser, *, required: bool) -> None:

@@ -1,0 +1,128 @@
+"""`axcore serve RUN_OR_HF_DIR`: an OpenAI-compatible HTTP server over the inference engine (`axcore.serving`).
+
+Binds 127.0.0.1:8000 unless told otherwise; a host that is not a loopback address is
+refused without `--allow-remote`. With `--api-key KEY` (or AXCORE_API_KEY) every `/v1`
+request must send `Authorization: Bearer KEY`. Past `--max-waiting` requests without an
+output yet, new ones get a 429. SIGTERM (or Ctrl-C) stops accepting connections, lets
+the requests in flight finish (at most `--drain-timeout` seconds when given), then exits.
+
+The arguments are checked before the model loads, so a bad flag costs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from axcore.cli.common import one_run
+from axcore.errors import AxcoreError
+
+# Where the API key comes from when --api-key is not given (a key on the command line shows in `ps`).
+API_KEY_ENV = "AXCORE_API_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's arguments (`axcore serve --help`)."""
+    parser.add_argument("run", metavar="RUN_OR_HF_DIR", help="run directory (or one step's directory) to serve")
+    # More paths (a shell glob matching several runs): refused with one line naming them.
+    parser.add_argument("more_runs", nargs="*", help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; a non-loopback "
+                        "address needs --allow-remote)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    parser.add_argument("--allow-remote", action="store_true", help="allow a --host other machines can reach")
+    parser.add_argument("--api-key", metavar="KEY", help=f"key every /v1 request must send as 'Authorization: "
+                        f"Bearer KEY' (default: ${API_KEY_ENV} if set, else none)")
+    parser.add_argument("--max-waiting", type=int, default=256, metavar="N",
+                        help="requests without an output yet, at most; more get a 429 (default 256)")
+    parser.add_argument("--default-max-tokens", type=int, default=256, metavar="N",
+                        help="new tokens of a chat reply whose request sets no max_tokens (default 256)")
+    parser.add_argument("--drain-timeout", type=float, metavar="S",
+                        help="at shutdown, wait at most S seconds for running requests (default: until they end)")
+    parser.add_argument("--served-model-name", metavar="NAME",
+                        help="the base model's name in /v1/models and `model` (default: the run directory's name)")
+    parser.add_argument("--chat-template", metavar="FILE", help="jinja2 chat template (default: the run's)")
+    parser.add_argument("--step", type=int, metavar="S", help="checkpoint step (default: the latest committed)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                        help="override a value of the run's config, e.g. --set mesh.mesh_shape=[-1]")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                        help="uvicorn's log level (default info)")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """ServeError naming the first bad flag (before anything loads)."""
+    from axcore.serving.server import ServeError, check_host
+
+    if not 0 <= args.port <= 65535:
+        raise ServeError(f"--port must be in 0..65535, got {args.port}.")
+    if args.max_waiting < 1:
+        raise ServeError(f"--max-waiting must be >= 1, got {args.max_waiting}.")
+    if args.default_max_tokens < 1:
+        raise ServeError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}.")
+    if args.drain_timeout is not None and args.drain_timeout < 0:
+        raise ServeError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}.")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ServeError("--api-key is empty; give a key, or leave the flag out to serve without one.")
+    check_host(args.host, args.allow_remote)
+
+
+def build_engine(path: str, args: argparse.Namespace):
+    """The inference engine (an `axcore.engine.requests.EngineClient`) serving the run or HF directory `path`.
+
+    Raises:
+        AxcoreError: "the inference engine is not available yet" while `axcore.engine` has no `Engine`.
+    """
+    import axcore.engine
+
+    engine = getattr(axcore.engine, "Engine", None)
+    if engine is None:
+        raise AxcoreError(
+            f"axcore serve {path}: the inference engine is not available yet (axcore.engine has no Engine); "
+            f"the HTTP server is ready, but nothing can generate for it in this version."
+        )
+    # Assumed constructor of the engine being written beside this command; align at merge.
+    return engine.from_run(path, step=args.step, overrides=args.overrides, objects=args.objects,
+                           name=args.served_model_name)
+
+
+def load_frontend(path: str, args: argparse.Namespace):
+    """The run's tokenizer and chat template (`--chat-template`, else the template it trained with, else its
+    tokenizer's; none: chat requests get a 400) as the server's `TextFrontend`."""
+    from axcore.data.chat import ChatTemplate
+    from axcore.data.sources import ChatFiles
+    from axcore.inference.run_loading import load_run_experiment
+    from axcore.serving.text import TextFrontend
+
+    experiment, _ = load_run_experiment(path, args.overrides, objects=args.objects)
+    tokenizer = experiment.config.tokenizer.instantiate()
+    template = None
+    if args.chat_template is not None:
+        template = ChatTemplate.from_file(args.chat_template, field="--chat-template")
+    else:
+        for _, _, source, where in experiment.config.input.components():
+            if isinstance(source, ChatFiles.Config):  # As the run's chat data was rendered.
+                template = ChatTemplate.for_tokenizer(tokenizer, source.template, field=f"{where}.template")
+                break
+        else:
+            if tokenizer.chat_template is not None:
+                template = ChatTemplate.for_tokenizer(tokenizer)
+    return TextFrontend(tokenizer, template, vocab_size=experiment.config.model.vocab_size)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Checks the flags, builds the engine, serves until SIGTERM; returns 0."""
+    args.run = one_run(args)
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    check_arguments(args)
+    engine = build_engine(args.run, args)
+    frontend = load_frontend(args.run, args)
+    from axcore.serving.app import ServerSettings, create_app
+    from axcore.serving.server import make_server
+
+    settings = ServerSettings(max_waiting=args.max_waiting, api_key=args.api_key,
+                              default_max_tokens=args.default_max_tokens)
+    app = create_app(engine, frontend, settings)
+    server = make_server(app, host=args.host, port=args.port, log_level=args.log_level,
+                         drain_timeout_s=args.drain_timeout)
+    server.run()
+    return 0
