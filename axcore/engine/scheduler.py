@@ -4,7 +4,7 @@ The scheduler owns admission, the token budget, preemption and the block allocat
 engine owns the model call and sampling. One step is `plan = schedule()`, one model call
 on `plan.rows`, then `finish_step(plan, sampled)`; one plan is in flight at a time.
 
-Policy (FIFO by arrival; a request's choices rank in index order):
+Policy (FIFO by arrival, the order of `add` calls; a request's choices rank in index order):
 
 1. Running sequences that decode (one known token not yet cached) get one token each.
 2. Running sequences still prefilling (or recomputing) get a chunk each, as long as the
@@ -259,10 +259,11 @@ class Scheduler:
         self._prompt_tokens += max(0, min(seq.num_computed, seq.num_prompt) - start)
         size = self.allocator.block_size
         full = seq.num_computed // size
-        keys = seq.block_keys(full, size)
-        for i in range(seq.num_registered, full):
-            self.allocator.register(seq.block_table[i], keys[i])
-        seq.num_registered = max(seq.num_registered, full)
+        if full > seq.num_registered:
+            keys = seq.block_keys(full, size)
+            for i in range(seq.num_registered, full):
+                self.allocator.register(seq.block_table[i], keys[i])
+            seq.num_registered = full
         if not seq.prompt_done and seq.num_computed >= seq.num_prompt:
             seq.prompt_done = True
             self._release_siblings(seq)

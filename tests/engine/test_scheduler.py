@@ -87,13 +87,15 @@ def test_running_out_of_blocks_preempts_the_latest_arrival_which_recomputes_the_
 
 
 def test_three_choices_share_the_prompt_blocks_and_feed_only_the_partial_block():
-    d = driver(budget=16, max_seqs=4)
+    d = driver(budget=6, max_seqs=4)
     prompt = [5, 3, 8, 1, 9, 9, 2, 7, 4, 6]
     first, *siblings = d.add(request("r", prompt, n=3, max_tokens=3))
-    plan = d.plan()
-    assert [(r.seq_id, r.start, len(r.tokens)) for r in plan.rows] == [(first, 0, 10)]
-    assert d.sched.stats().waiting == 2
-    d.run(plan)
+    # The first choice prefills alone, in two chunks; its siblings wait for its prompt's blocks.
+    for start, count in ((0, 6), (6, 4)):
+        plan = d.plan()
+        assert [(r.seq_id, r.start, len(r.tokens)) for r in plan.rows] == [(first, start, count)]
+        assert d.sched.stats().waiting == 2
+        d.run(plan)
     plan = d.plan()
     assert [(r.seq_id, r.start, r.tokens, r.sample) for r in plan.rows] == [
         (first, 10, d.outputs["r", 0], True), (siblings[0], 8, [4, 6], True), (siblings[1], 8, [4, 6], True)]
@@ -109,6 +111,32 @@ def test_three_choices_share_the_prompt_blocks_and_feed_only_the_partial_block()
     # (10 - 1) // 4 = 2 full blocks looked up per choice; the siblings find both.
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (6, 4)
     assert (stats.prompt_tokens, stats.generation_tokens) == (10 + 2 + 2, 9)
+
+
+def test_a_prefill_that_preempts_a_decode_already_in_the_step_takes_its_row_out():
+    """A sibling released after its first choice ended, its prompt blocks evicted meanwhile, prefills
+    in chunks while a later request decodes; when its chunk needs a block and none is free, the
+    later request (planned first, as a decode) is preempted and its row leaves the step."""
+    d = driver(num_blocks=8, block_size=2, max_seqs=3, budget=4, max_model_len=12)
+    script = [([2, 3, 2], 1, 4, 1), ([3, 3, 1, 1, 3], 3, 1, 1), ([1, 1, 3, 3, 2, 1, 3, 3], 2, 4, 2),
+              ([2, 1, 2, 3, 2, 3, 2, 3, 2, 3], 1, 2, 2)]
+    for i, (prompt, n, max_tokens, steps) in enumerate(script):
+        d.add(request(f"r{i}", prompt, n=n, max_tokens=max_tokens))
+        for _ in range(steps):
+            d.step()
+    while d.live:
+        pending = {s: len(d.known[s]) - (d.next_pos[s] or 0) for s in d.live}
+        plan = d.plan()
+        d.run(plan)
+        victims = [s for s in plan.preempted if pending[s] == 1]
+        if any(pending[r.seq_id] > 1 and r.seq_id < min(victims) for r in plan.rows if victims):
+            break
+    else:
+        raise AssertionError("no prefill preempted a decode planned in the same step")
+    d.drain()
+    for i, (prompt, n, max_tokens, _) in enumerate(script):
+        want = reference(prompt, SamplingParams(max_tokens=max_tokens), 12)[0]
+        assert [d.outputs[f"r{i}", c] for c in range(n)] == [want] * n
 
 
 def test_a_later_request_with_the_same_prefix_reuses_freed_blocks_but_not_another_adapters():
