@@ -106,7 +106,7 @@ class Row:
     tokens: list[int]
     # Absolute position of tokens[0]; tokens sit at consecutive positions.
     start: int
-    # The sequence's block table for this step (covers every position < start + len(tokens)).
+    # The sequence's block table for this step: exactly the blocks of positions < start + len(tokens).
     block_table: list[int]
     # True when tokens[-1] is the sequence's last known token: its logits give the next token.
     sample: bool

@@ -100,7 +100,7 @@ class Driver:
         else:
             assert row.start == self.next_pos[row.seq_id]
         self.next_pos[row.seq_id] = end
-        assert len(row.block_table) >= math.ceil(end / self.size)
+        assert len(row.block_table) == math.ceil(end / self.size)
         assert all(0 < block < self.sched.allocator.num_blocks for block in row.block_table)
         for p in range(row.start, end):
             # A block written in this step belongs to this sequence alone.
