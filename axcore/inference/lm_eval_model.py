@@ -127,7 +127,9 @@ class AxcoreLMBase:
                               f"(its learned position embedding); pass max_length={limit} or less.")
         self.seed = int(seed)
         self.custom_prefix_token_id = prefix_token_id
-        self._specials = len(self.tokenizer.encode(""))  # The ids the tokenizer adds to every text (e.g. BOS).
+        specials = self.tokenizer.encode("")  # The ids the tokenizer adds to every text (e.g. BOS).
+        self._specials = len(specials)
+        self._special_text = self.tokenizer.decode(specials) if self._specials else ""
         self._score = None  # The jitted scoring step, built on first use.
         self._generators: dict[tuple, Any] = {}
 
@@ -157,8 +159,7 @@ class AxcoreLMBase:
         return ids[-left_truncate_len:] if left_truncate_len else ids
 
     def _starts_with_specials(self, string: str) -> bool:
-        prefix = self.tokenizer.decode(self.tokenizer.encode("")) if self._specials else ""
-        return bool(prefix) and string.startswith(prefix)
+        return bool(self._special_text) and string.startswith(self._special_text)
 
     def tok_decode(self, tokens: Sequence[int]) -> str:
         """Token ids -> text."""
@@ -266,7 +267,8 @@ class AxcoreLMBase:
                 raise LmEvalError(f"A task asks for max_gen_toks={max_new} but the model takes {self.max_length} "
                                   f"tokens (max_length); lower the task's max_gen_toks or raise max_length.")
             sampling = _sampling(kwargs, Sampling)
-            prompts = [self.tok_encode(requests[i].args[0], left_truncate_len=self.max_length - max_new) for i in indices]
+            prompts = [self.tok_encode(requests[i].args[0], left_truncate_len=self.max_length - max_new)
+                       or [self.prefix_token_id] for i in indices]  # An empty context: as in loglikelihood.
             stops = [] if eos is None else [int(eos)]
             for start in range(0, len(indices), self.batch_size):
                 batch = slice(start, start + self.batch_size)
@@ -286,9 +288,11 @@ class AxcoreLMBase:
         if key not in self._generators:
             self._generators[key] = Generator(self.loaded.model, max_new_tokens=max_new_tokens, sampling=sampling,
                                               stop_tokens=stops)
+        # A short last batch is filled with copies of its first prompt: one compiled program per prompt bucket.
+        filled = [np.asarray(p, np.int32) for p in prompts] + [np.asarray(prompts[0], np.int32)] * (
+            self.batch_size - len(prompts))
         with self.placement.op_environment():
-            return self._generators[key](self.loaded.params, [np.asarray(p, np.int32) for p in prompts],
-                                         jax.random.key(self.seed))
+            return self._generators[key](self.loaded.params, filled, jax.random.key(self.seed))[:len(prompts)]
 
 
 def cut_at_stops(text: str, stops: Sequence[str]) -> str:

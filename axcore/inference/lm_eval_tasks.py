@@ -53,7 +53,7 @@ def check_tasks(manager: Any, names: Sequence[str], include_path: str | os.PathL
         if not manager.match_tasks([name]):
             where = f" nor under --include-path {include_path}" if include_path else ""
             raise LmEvalError(f"Unknown lm-eval task '{name}' (--tasks): not one of lm-eval's tasks{where}"
-                              f"{did_you_mean(name, manager.all_tasks)}; `lm-eval ls tasks` lists them, and "
+                              f"{did_you_mean(name, manager.all_tasks)}; `lm-eval ls tasks` (older lm-eval: `lm_eval --tasks list`) lists them, and "
                               f"--include-path DIR adds a directory of task YAMLs.")
 
 

@@ -198,3 +198,10 @@ def test_rolling_loglikelihood_and_empty_contexts_equal_the_hf_models(tiny):
     ours_pairs, theirs_pairs = ours.loglikelihood(pairs), theirs.loglikelihood(pairs)
     assert [g for _, g in ours_pairs] == [g for _, g in theirs_pairs]
     assert np.abs(np.array([v for v, _ in ours_pairs]) - np.array([v for v, _ in theirs_pairs])).max() < TOLERANCE
+
+
+def test_length_buckets_are_powers_of_two_within_the_limit():
+    from axcore.inference.lm_eval_model import bucket_length
+
+    assert [bucket_length(n, 2048) for n in (1, 16, 17, 33, 1000, 1025)] == [16, 16, 32, 64, 1024, 2048]
+    assert [bucket_length(n, 40) for n in (17, 33, 40)] == [32, 40, 40]
