@@ -205,3 +205,27 @@ def test_length_buckets_are_powers_of_two_within_the_limit():
 
     assert [bucket_length(n, 2048) for n in (1, 16, 17, 33, 1000, 1025)] == [16, 16, 32, 64, 1024, 2048]
     assert [bucket_length(n, 40) for n in (17, 33, 40)] == [32, 40, 40]
+
+
+def test_a_loaded_model_scores_with_its_full_forward(tiny):
+    """`loaded=` (a model in memory): the sum of the continuation's log-softmax over the full forward's logits."""
+    from lm_eval.api.instance import Instance
+
+    import axcore
+    from axcore.inference.lm_eval_model import LmEvalError
+    from axcore.inference.run_loading import load_model
+
+    _, run, _, _ = tiny
+    loaded = load_model(run)
+    lm = register()(loaded=loaded, batch_size=2)
+    context, whole = lm.tok_encode("Fish live"), lm.tok_encode("Fish live in water")
+    ids = np.array([whole])
+    logits = np.asarray(axcore.functional(loaded.model, loaded.params, (ids,), None, False, method="logits")[0][0])
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    rows = range(len(context) - 1, ids.shape[1] - 1)
+    expected = sum(logp[r, ids[0, r + 1]] for r in rows)
+    greedy = all(logp[r].argmax() == ids[0, r + 1] for r in rows)
+    (value, is_greedy), = lm.loglikelihood([Instance("loglikelihood", {}, ("Fish live", " in water"), 0)])
+    assert abs(value - expected) < TOLERANCE and is_greedy == greedy
+    with pytest.raises(LmEvalError, match="exactly one of run=RUN_DIR and loaded"):
+        register()(run=str(run), loaded=loaded)
