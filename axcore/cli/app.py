@@ -13,6 +13,8 @@
                                                        write a plugin package with hooks and tests
     axcore eval RUN_OR_CKPT [--data PATH ...] [--split validation] [--batch-size N] [--seq-len T]
                 [--max-batches N] [--step S] [--json]  held-out loss and perplexity of a checkpoint
+                [--tasks A,B [--num-fewshot K] [--limit N] [--include-path DIR] [--output FILE.json]]
+                                                       instead: lm-evaluation-harness tasks
     axcore generate RUN_OR_CKPT --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
                                                        continue prompts with a run's model (KV-cache decoding)
     axcore serve RUN_OR_HF_DIR [--host H] [--port P] [--api-key KEY] [--max-waiting N]
@@ -184,6 +186,14 @@ def _add_eval(sub) -> None:
     eval_.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                        help="override a value of the run's config, e.g. --set mesh.mesh_shape=[-1]")
     eval_.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
+    harness = eval_.add_argument_group(
+        "lm-evaluation-harness", "with --tasks: lm-eval's tasks on the checkpoint (pip install 'axcore[lm-eval]'), "
+        "--batch-size rows per forward pass (default 8)")
+    harness.add_argument("--tasks", metavar="A,B", help="lm-eval task, group or tag names, separated by commas")
+    harness.add_argument("--num-fewshot", type=int, metavar="K", help="examples in each prompt (default: each task's)")
+    harness.add_argument("--limit", type=float, metavar="N", help="documents per task (below 1: a fraction of them)")
+    harness.add_argument("--include-path", metavar="DIR", help="a directory of task YAMLs added to lm-eval's own")
+    harness.add_argument("--output", metavar="FILE.json", help="write lm-eval's results as JSON")
 
 
 # Each built-in command's module, imported only when the command runs (its `run(args)` returns the exit status).

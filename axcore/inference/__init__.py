@@ -3,7 +3,9 @@
 It owns loading a run's saved, resolved config and a step's parameters through the
 run's checkpoint backend (`run_loading`: `load_model`, `save_model`), and held-out
 evaluation of a run (`evaluation`: `evaluate_run`, through the objective's eval step on
-the run's placement, as the trainer evaluates). It builds an `axcore.placement.Placement`,
+the run's placement, as the trainer evaluates), and lm-evaluation-harness's `axcore` model
+(`lm_eval_model`, run on a run's checkpoint by `lm_eval_tasks`; lm-eval is imported only when
+one of them is used). It builds an `axcore.placement.Placement`,
 never a train step, learner or optimizer state: it may import `experiment/`,
 `placement/`, `checkpoint/`, `data/`, `platform/` and everything below them, but nothing
 from `trainer/` (an import-linter contract of its own); only `cli/` and `tools/` import it. The names below are
