@@ -6,7 +6,7 @@ The public API is re-exported here lazily (PEP 562), so that `import axcore` (an
 
 from __future__ import annotations
 
-from axcore._lazy import lazy_exports
+from axcore.config.lazy import lazy_exports
 
 __version__ = "0.1.0"
 

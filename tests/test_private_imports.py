@@ -4,7 +4,7 @@ A name or module whose name starts with one underscore is private to the package
 holds it. A package is one of axcore's subpackages or top-level modules (`axcore.cli`,
 `axcore.plugin`, `axcore.module`, ...), a plugin distribution (`axcore_hf`,
 `axcore_gpu`, ...), `benchmarks`, or the tests. A private module directly under a
-package (`axcore._lazy`, `axcore.checkpoint._verify`) is private to that package and
+package (`axcore.checkpoint._verify`) is private to that package and
 everything inside it. The check reads every source under axcore/, plugins/, axcore_*/,
 benchmarks/ and tests/ with `ast`: `from X import _name`, `from X._mod import name`,
 `import X._mod` and `alias._name` (alias an imported project module) are offences when
@@ -61,7 +61,7 @@ def _package_of_file(path: pathlib.Path) -> str:
         if folder in path.parents:
             return name
     if ROOT / "tests" / "core" in path.parents:
-        return "axcore"  # The tests of axcore's top-level modules (module, params, _lazy ...).
+        return "axcore"  # The tests of axcore's top-level modules (module, params, generation ...).
     return "tests"  # tests/, plugins/*/tests, conftest files.
 
 
@@ -72,7 +72,7 @@ def _owner(module: str, name: str | None) -> str | None:
         if _private(part) and i > 0:
             outer = ".".join(parts[:i])
             # A private module directly under a package belongs to that package (the root's
-            # `axcore._lazy` to all of axcore); a private name in a module to the module's package.
+            # `axcore._x`, none today, to all of axcore); a private name in a module to the module's package.
             return outer if outer == "axcore" else _package_of_module(outer)
     return None
 
@@ -155,7 +155,6 @@ def test_the_check_finds_an_offence(tmp_path, monkeypatch, source, expected):
     "relative, source",
     [
         ("axcore/plugin/loading.py", "from axcore.plugin.entry_points import _dist_of\n"),  # Same package.
-        ("axcore/plugin/loading.py", "from axcore._lazy import lazy_exports\n"),  # The root's private module.
         ("tests/test_x.py", "from numpy_ref import _helper\nimport jax._src\n"),  # Tests' own; third-party.
     ],
 )

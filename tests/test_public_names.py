@@ -1,5 +1,5 @@
-"""Each package states its public names once: the lazy maps of `axcore.plugin` and `axcore.experiment`
-are read from their modules' `__all__` (axcore/_lazy.py), never restated."""
+"""Each package states its public names once: the lazy maps of `axcore.plugin`, `axcore.experiment` and `axcore.config`
+are read from their modules' `__all__` (axcore/config/lazy.py), never restated."""
 
 import importlib
 
@@ -8,7 +8,11 @@ import pytest
 
 @pytest.mark.parametrize(
     "package, modules",
-    [("axcore.plugin", ["loading"]), ("axcore.experiment", ["loading", "builtins"])],
+    [
+        ("axcore.plugin", ["loading"]),
+        ("axcore.experiment", ["loading", "builtins"]),
+        ("axcore.config", ["base", "constraints", "serialize", "traversal"]),
+    ],
 )
 def test_a_package_exports_exactly_its_modules_public_names(package, modules):
     pkg = importlib.import_module(package)

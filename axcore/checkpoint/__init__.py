@@ -10,7 +10,6 @@ log file (the trainer's `<run_dir>/logs/checkpoint.log`).
 
 from __future__ import annotations
 
-from axcore._lazy import lazy_exports
 from axcore.checkpoint._save_log import checkpoint_log_file, save_reports_to
 from axcore.checkpoint.base import (
     CheckpointBackend,
@@ -19,6 +18,7 @@ from axcore.checkpoint.base import (
     CheckpointNotFoundError,
     restore_verified,
 )
+from axcore.config.lazy import lazy_exports
 
 _LAZY = {
     "OrbaxBackend": "axcore.checkpoint.orbax_backend",

@@ -1,106 +1,15 @@
-"""Typed config trees: declaration, traversal and replacement, YAML, flat dumps, overrides."""
+"""Typed config trees: declaration, traversal and replacement, YAML, flat dumps, overrides.
 
-from axcore.config.base import (
-    REQUIRED,
-    CallableConfig,
-    ClassConfig,
-    ConfigBase,
-    Configurable,
-    DType,
-    InstantiableConfig,
-    config_for_class,
-    config_for_function,
-    default_config_for,
-)
-from axcore.config.constraints import (
-    AllowNonFinite,
-    AtLeastSetting,
-    ConfigValidationError,
-    Constraint,
-    Depth,
-    Floating,
-    LearningRate,
-    Length,
-    Matches,
-    MaxLength,
-    NonNegative,
-    PeakRate,
-    Positive,
-    Probability,
-    Range,
-    Seed,
-    Size,
-    UnitInterval,
-    Width,
-    config_problems,
-    config_warnings,
-    raise_collected,
-    setting_problems,
-    size_problems,
-    validate_config,
-)
-from axcore.config.serialize import (
-    Resolver,
-    apply_overrides,
-    dump_flat,
-    flatten,
-    from_dict,
-    from_yaml,
-    parse_override,
-    to_dict,
-    to_yaml,
-)
-from axcore.config.traversal import find, get_path, is_config_of, remove, replace, walk
+The public names are those of the `__all__` of `base`, `constraints`, `serialize` and
+`traversal`, re-exported lazily (`lazy`, the re-export helper every package uses), so that
+`import axcore` and `axcore --help` import neither NumPy nor YAML.
+"""
 
-__all__ = [
-    "AllowNonFinite",
-    "ConfigValidationError",
-    "Constraint",
-    "Depth",
-    "Floating",
-    "AtLeastSetting",
-    "LearningRate",
-    "Length",
-    "Matches",
-    "MaxLength",
-    "NonNegative",
-    "PeakRate",
-    "Positive",
-    "Probability",
-    "Range",
-    "Seed",
-    "Size",
-    "UnitInterval",
-    "Width",
-    "config_problems",
-    "config_warnings",
-    "raise_collected",
-    "setting_problems",
-    "size_problems",
-    "validate_config",
-    "REQUIRED",
-    "CallableConfig",
-    "ClassConfig",
-    "ConfigBase",
-    "Configurable",
-    "DType",
-    "InstantiableConfig",
-    "Resolver",
-    "apply_overrides",
-    "config_for_class",
-    "config_for_function",
-    "default_config_for",
-    "dump_flat",
-    "find",
-    "flatten",
-    "from_dict",
-    "from_yaml",
-    "get_path",
-    "is_config_of",
-    "parse_override",
-    "remove",
-    "replace",
-    "to_dict",
-    "to_yaml",
-    "walk",
-]
+from __future__ import annotations
+
+from axcore.config.lazy import lazy_exports, module_exports
+
+_WHERE = module_exports(globals(), ["base", "constraints", "serialize", "traversal"])
+__all__ = sorted(_WHERE)
+
+__getattr__, __dir__ = lazy_exports(globals(), _WHERE)

@@ -30,6 +30,19 @@ import numpy as np
 
 from axcore.errors import ConfigTypeError, MissingRequiredError, UnknownFieldError, did_you_mean
 
+__all__ = [
+    "REQUIRED",
+    "CallableConfig",
+    "ClassConfig",
+    "ConfigBase",
+    "Configurable",
+    "DType",
+    "InstantiableConfig",
+    "config_for_class",
+    "config_for_function",
+    "default_config_for",
+]
+
 
 class _Required:
     """Sentinel type of `REQUIRED`."""

@@ -49,6 +49,34 @@ import numpy as np
 from axcore.config.base import REQUIRED, ConfigBase
 from axcore.errors import ConfigError, one_line
 
+__all__ = [
+    "AllowNonFinite",
+    "AtLeastSetting",
+    "ConfigValidationError",
+    "Constraint",
+    "Depth",
+    "Floating",
+    "LearningRate",
+    "Length",
+    "Matches",
+    "MaxLength",
+    "NonNegative",
+    "PeakRate",
+    "Positive",
+    "Probability",
+    "Range",
+    "Seed",
+    "Size",
+    "UnitInterval",
+    "Width",
+    "config_problems",
+    "config_warnings",
+    "raise_collected",
+    "setting_problems",
+    "size_problems",
+    "validate_config",
+]
+
 
 class ConfigValidationError(ConfigError):
     """An experiment has one or more out-of-range or inconsistent values.

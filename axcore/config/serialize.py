@@ -34,6 +34,18 @@ from axcore.config.base import (
 from axcore.config.traversal import join_path, split_path
 from axcore.errors import ConfigError, UnknownFieldError, did_you_mean
 
+__all__ = [
+    "Resolver",
+    "apply_overrides",
+    "dump_flat",
+    "flatten",
+    "from_dict",
+    "from_yaml",
+    "parse_override",
+    "to_dict",
+    "to_yaml",
+]
+
 TYPE_KEY = "type"
 
 

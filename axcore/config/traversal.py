@@ -13,6 +13,15 @@ from typing import Any
 from axcore.config.base import ConfigBase, InstantiableConfig
 from axcore.errors import ConfigError, NoMatchError
 
+__all__ = [
+    "find",
+    "get_path",
+    "is_config_of",
+    "remove",
+    "replace",
+    "walk",
+]
+
 # A match is a class (a Configurable class matches configs whose klass subclasses
 # it; a ConfigBase class matches its instances) or a predicate `(path, node) -> bool`.
 Match = type | Callable[[str, ConfigBase], bool]

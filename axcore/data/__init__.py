@@ -5,7 +5,7 @@ The pipeline's names (`InputConfig`, `InputPipeline`, `MixtureComponent`, `Packi
 which `import axcore.data.tokenizer` (the hookspecs, `axcore plugins`) does not need.
 """
 
-from axcore._lazy import lazy_exports
+from axcore.config.lazy import lazy_exports
 from axcore.data.errors import DataError
 from axcore.data.schema import BATCH_SCHEMA, PAD_LABEL, BatchField, BatchSchema
 from axcore.data.sources import (

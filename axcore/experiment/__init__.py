@@ -15,7 +15,7 @@ package stays cheap.
 
 from __future__ import annotations
 
-from axcore._lazy import lazy_exports, module_exports
+from axcore.config.lazy import lazy_exports, module_exports
 
 _WHERE = module_exports(globals(), ["loading", "builtins"])
 __all__ = sorted(_WHERE)

@@ -7,15 +7,13 @@ An experiment file is merged onto the built-in default experiment:
     model: {num_layers: 2}
     trainer: {max_steps: 50}
 
-Resolution (docs/architecture.md, "One `axcore train`", steps 2 to 5): read YAML
-with a safe loader and apply `--set` overrides; build the plugin manager; build the
-typed tree; run the enabled plugins' config transforms in `plugins:` order; then
-the first matching mesh rule fills the mesh and applies its config modifiers.
+Resolution (docs/architecture.md, "One `axcore train`", steps 2 to 5): read YAML with a safe loader and apply
+`--set` overrides; build the plugin manager; build the typed tree; run the enabled plugins' config transforms
+in `plugins:` order; then the first matching mesh rule fills the mesh and applies its config modifiers.
 `load_experiment` does this as the explicit list of steps `_STEPS`.
 
-Saved runs load as they ran: `Experiment.save(run_dir)` writes the resolved config
-under a `resolved_by` marker, and loading it skips the transforms and the mesh rule's
-modifiers (`axcore.experiment.saved`).
+Saved runs load as they ran: `Experiment.save(run_dir)` writes the resolved config under a `resolved_by`
+marker, and loading it skips the transforms and the mesh rule's modifiers (`axcore.experiment.saved`).
 
 Re-exported here: `axcore.experiment.schema` (`ExperimentConfig` and its parts), `axcore.experiment.files`
 (finding and reading experiment files), `axcore.experiment.mesh` (mesh layout), `axcore.experiment.saved`.
@@ -75,6 +73,7 @@ from axcore.platform.xla_flags import (
     resolve_xla_flags,
 )
 from axcore.plugin.loading import AxcorePluginManager, PluginRequest, probe_instance_type
+from axcore.registry import Registries
 
 __all__ = [
     "RESOLVED_KEY",
@@ -113,10 +112,11 @@ class Experiment:
     mesh_modifiers: list[str] = dataclasses.field(default_factory=list)
     # Environment variable the resolved `xla_flags` go to (XLA_FLAGS, LIBTPU_INIT_ARGS, NEURON_CC_FLAGS, ...).
     flags_variable: str = "XLA_FLAGS"
+    # The plugin manager's registries when it is made: data for the layers below (no code of this layer runs).
+    registries: Registries = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
-    def registries(self):
-        return self.plugin_manager.registries
+    def __post_init__(self) -> None:
+        self.registries = self.plugin_manager.registries
 
     def flat(self) -> str:
         """`path: value` lines: the config, then each plugin's settings under its name, then a

@@ -7,7 +7,7 @@ The built-in plugin `axcore.observe.plugin` registers the `jsonl` and `tensorboa
 writers.
 """
 
-from axcore._lazy import lazy_exports
+from axcore.config.lazy import lazy_exports
 from axcore.observe.plot import plot_loss_curve
 from axcore.observe.progress import ProgressLog, format_duration
 from axcore.observe.writers import (

@@ -14,7 +14,7 @@ re-exported lazily, so importing this package does not import JAX.
 
 from __future__ import annotations
 
-from axcore._lazy import lazy_exports
+from axcore.config.lazy import lazy_exports
 
 _EXPORTS = {
     "axcore.placement.placement": ["Placement"],

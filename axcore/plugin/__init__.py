@@ -15,7 +15,7 @@ lazily, so `import axcore.plugin` stays cheap.
 
 from __future__ import annotations
 
-from axcore._lazy import lazy_exports, module_exports
+from axcore.config.lazy import lazy_exports, module_exports
 
 _WHERE = module_exports(globals(), ["loading"])
 __all__ = sorted(_WHERE)

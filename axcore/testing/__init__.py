@@ -22,7 +22,7 @@ neither JAX nor pytest.
 
 from __future__ import annotations
 
-from axcore._lazy import lazy_exports
+from axcore.config.lazy import lazy_exports
 
 _EXPORTS = {
     "axcore.testing.conformance": [

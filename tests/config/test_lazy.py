@@ -1,8 +1,8 @@
-"""axcore/_lazy.py: the literal `__all__` a package's lazy map is derived from."""
+"""axcore/config/lazy.py: the literal `__all__` a package's lazy map is derived from."""
 
 import pytest
 
-from axcore._lazy import declared_all
+from axcore.config.lazy import declared_all
 
 
 def test_declared_all_refuses_a_module_without_a_literal_list(tmp_path):
