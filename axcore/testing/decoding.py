@@ -63,8 +63,8 @@ def paged_logits(
     """float32 `[len(plan), total, vocab]`: sequence s of `ids` `[len(plan), total]` fed to `extend_paged`
     by the chunk sizes of `plan[s]` (each summing to `total`), all live sequences in one call per step.
 
-    Each step's rows are the live sequences in a random order plus an empty row (num_new 0);
-    padding tokens have id 0 and position 0. The sequences' blocks are a random permutation
+    Each step is `[len(plan) + 1, longest chunk]`: the live sequences' rows in a random order,
+    then empty rows (num_new 0); padding tokens have id 0 and position 0. The sequences' blocks are a random permutation
     of blocks 1..; the tables are one column wider than needed (padded with block 0).
     """
     rng = np.random.default_rng(seed)
@@ -81,14 +81,14 @@ def paged_logits(
         return functional(model, p, inputs, None, False, method="extend_paged")[0]
 
     out = np.full((seqs, total, 0), np.nan, np.float32)
+    width = max(max(p) for p in plan)  # One shape for every step (one compiled program).
     done = [0] * seqs
     for step in range(max(len(p) for p in plan)):
         rows = [s for s in rng.permutation(seqs) if step < len(plan[s]) and plan[s][step] > 0]
-        width = max(plan[s][step] for s in rows)
-        tokens = np.zeros((len(rows) + 1, width), np.int32)
+        tokens = np.zeros((seqs + 1, width), np.int32)
         positions = np.zeros_like(tokens)
-        num_new = np.zeros(len(rows) + 1, np.int32)
-        table = np.zeros((len(rows) + 1, tables.shape[1]), np.int32)
+        num_new = np.zeros(seqs + 1, np.int32)
+        table = np.zeros((seqs + 1, tables.shape[1]), np.int32)
         for r, s in enumerate(rows):
             n = plan[s][step]
             tokens[r, :n], positions[r, :n] = ids[s, done[s] : done[s] + n], np.arange(done[s], done[s] + n)
