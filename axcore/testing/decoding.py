@@ -15,12 +15,16 @@ cache; every fed token's logits must equal the full forward's at its position.
 
 from __future__ import annotations
 
+import pathlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import yaml
 
+from axcore.experiment.loading import load_experiment
 from axcore.module import functional
 
 
@@ -117,3 +121,24 @@ def check_paged_matches_forward(
         f"paged KV-cache decoding (CausalLM.extend_paged, chunked prefills, shuffled blocks) differs from the full "
         f"forward by up to {worst:.3g}: the layer's extend_paged does not compute what its forward computes."
     )
+
+
+def check_experiment_paged(
+    data: Mapping[str, Any], directory: str | pathlib.Path, *, overrides: Sequence[str] = (), noise: float = 0.1
+) -> Any:
+    """`check_paged_matches_forward` on the model of an experiment given as data (e.g. a model converter's
+    `experiment(config)`), in float32, with random parameters: the initializer's plus N(0, noise) on every
+    leaf (so norm scales, biases and gates are not at their trivial init).
+
+    Writes `directory/experiment.yaml`; returns the model (for further checks of its config).
+    """
+    path = pathlib.Path(directory) / "experiment.yaml"
+    path.write_text(yaml.safe_dump(dict(data), sort_keys=False), "utf-8")
+    exp = load_experiment(str(path), ["model.compute_dtype=float32", *overrides])
+    model = exp.config.model.instantiate(name="model", registries=exp.registries)
+    params = model.initialize(jax.random.key(1))
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(4), len(leaves))
+    params = tree.unflatten([a + noise * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys)])
+    check_paged_matches_forward(model, params, vocab=int(exp.config.model.vocab_size))
+    return model
