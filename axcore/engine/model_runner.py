@@ -184,6 +184,13 @@ class ModelRunner:
             raise ModelRunnerError("num_new", f"holds values outside 0..{t} (the tokens per row).")
         if tables.size and (tables.min() < 0 or tables.max() >= self.num_blocks):
             raise ModelRunnerError("block_tables", f"holds block ids outside 0..{self.num_blocks - 1}.")
+        row, col = np.nonzero(np.arange(t)[None, :] < num_new[:, None])  # The valid tokens.
+        index = positions[row, col] // self.block_size
+        if row.size and (positions.min() < 0 or index.max() >= tables.shape[1] or not tables[row, index].all()):
+            raise ModelRunnerError(
+                "block_tables", "a valid token's position has no block (negative, past the table, or block 0); "
+                "allocate the sequence's blocks before the step."
+            )
         return [a.astype(np.int32) for a in arrays]
 
     def _step(self, params, cache, tokens, positions, num_new, block_tables, *, all_logits: bool):

@@ -121,6 +121,7 @@ def test_bad_settings_name_their_field(llama, changes, field):
         (1, 5, 1, 1, "token_buckets"),
         (1, 1, 2, 1, "num_new"),  # More valid tokens than the row holds.
         (1, 1, 1, 16, "block_tables"),  # No block 16 in a cache of 16.
+        (1, 1, 1, 0, "block_tables"),  # A valid token in the null block.
     ],
 )
 def test_bad_steps_name_their_array(llama, rows, t, num_new, table, field):
@@ -130,3 +131,11 @@ def test_bad_steps_name_their_array(llama, rows, t, num_new, table, field):
         runner.step(params, np.ones((rows, t), np.int32), np.zeros((rows, t), np.int32),
                     np.full(rows, num_new, np.int32), np.full((rows, 1), table, np.int32))
     assert runner.num_programs == 0
+
+
+def test_a_token_past_its_block_table_is_refused(llama):
+    model, params, _, _ = llama
+    runner = runner_of(model)
+    with pytest.raises(ModelRunnerError, match="^'block_tables': a valid token's position has no block"):
+        runner.step(params, np.ones((1, 1), np.int32), np.full((1, 1), BLOCK, np.int32), np.ones(1, np.int32),
+                    np.ones((1, 1), np.int32))  # Position 4 is in the table's second block; it lists one.
