@@ -107,6 +107,16 @@ class ModelRunner:
         """The `(B, T, W, all_logits)` of each compiled program, in compile order."""
         return list(self._programs)
 
+    def temp_bytes(self) -> dict[tuple[int, int, int, bool], int]:
+        """Scratch bytes each compiled program needs besides its inputs and outputs (XLA's memory analysis;
+        the donated cache is updated in place, so this stays far below `cache_bytes`)."""
+        return {key: int(program.memory_analysis().temp_size_in_bytes) for key, program in self._programs.items()}
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the paged KV cache (every layer's keys and values)."""
+        return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(self.cache))
+
     def padded_shape(self, rows: int, tokens: int, width: int) -> tuple[int, int, int]:
         """`(B, T, W)`: the smallest batch, token and table-width buckets holding a step's sizes."""
         return (
