@@ -1,8 +1,9 @@
-"""Ops (`dot`, `attention`, `rms_norm`), their problems, and the kernel registry."""
+"""Ops (`dot`, `attention`, `paged_attention`, `rms_norm`), their problems, and the kernel registry."""
 
 from axcore.kernels.attention import ATTENTION, AttentionProblem, XlaAttention, causal_mask, sliding_window_mask
 from axcore.kernels.dot import DOT, DotProblem, XlaCpuDot, XlaDot, dot_problem, reference_dot
 from axcore.kernels.norm import RMS_NORM, RMSNormProblem, XlaRMSNorm, reference_rms_norm, rms_norm_problem
+from axcore.kernels.paged_attention import PAGED_ATTENTION, PagedAttentionProblem, XlaPagedAttention
 from axcore.kernels.registry import (
     SUPPORTED,
     Kernel,
@@ -26,6 +27,7 @@ from axcore.kernels.registry import (
 __all__ = [
     "ATTENTION",
     "DOT",
+    "PAGED_ATTENTION",
     "RMS_NORM",
     "SUPPORTED",
     "AttentionProblem",
@@ -36,12 +38,14 @@ __all__ = [
     "Op",
     "OpEnvironment",
     "OpRegistry",
+    "PagedAttentionProblem",
     "Problem",
     "RMSNormProblem",
     "Support",
     "XlaAttention",
     "XlaCpuDot",
     "XlaDot",
+    "XlaPagedAttention",
     "XlaRMSNorm",
     "causal_mask",
     "current_environment",

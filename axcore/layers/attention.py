@@ -25,7 +25,9 @@ slot with its config transform), without copying `forward`:
 
 Incremental decoding runs the same steps (`extend`): the keys and values of earlier
 tokens come from a KV cache (`init_cache`) instead of being recomputed, so a subclass
-that overrides a step decodes with it too.
+that overrides a step decodes with it too. The inference engine's form, `extend_paged`,
+keeps them in a paged cache (`init_paged_cache`: fixed-size blocks shared by every
+sequence, read through each row's block table by the `paged_attention` op).
 
 A subclass adds a child layer with `self.add_child(name, cfg)` in `__init__`.
 """
@@ -36,7 +38,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,7 @@ from axcore.config import REQUIRED, InstantiableConfig, Length, Positive, Probab
 from axcore.errors import ConfigError
 from axcore.kernels.attention import ATTENTION, ZIGZAG_EXTRA, AttentionProblem
 from axcore.kernels.attention_context import current_zigzag_shards
+from axcore.kernels.paged_attention import PAGED_ATTENTION, PagedAttentionProblem, paged_slots
 from axcore.kernels.registry import current_environment
 from axcore.layers.base import BaseLayer, DotSite, with_fields
 from axcore.layers.position import PositionEmbedding
@@ -187,7 +190,10 @@ class MultiheadAttention(BaseLayer):
         if slot is not None:  # Inside `decoding_into(self, ...)`: the KV-cache form of this same call.
             if kv_mask is not None or segment_ids is not None:
                 raise ValueError(f"{self.path}: KV-cache decoding takes neither kv_mask nor segment_ids.")
-            out, slot.cache = self.extend(x, slot.cache, positions=positions)
+            if slot.paged is not None:
+                out, slot.cache = self.extend_paged(x, slot.cache, positions=positions, **slot.paged)
+            else:
+                out, slot.cache = self.extend(x, slot.cache, positions=positions)
             return out
         q, k, v = self.project_qkv(x)
         q, k = self.normalize_qk(q, k)
@@ -260,6 +266,73 @@ class MultiheadAttention(BaseLayer):
             )
         return self.project_output(out), new
 
+    @no_context
+    def init_paged_cache(self, num_blocks: int, block_size: int) -> dict[str, jax.Array]:
+        """An empty paged KV cache: `key` and `value` `[num_blocks, block_size, kv_heads, head_dim]` zeros in
+        the compute dtype (block 0 is the null block, see `axcore.kernels.paged_attention`)."""
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return {"key": jnp.zeros(shape, self.compute_dtype), "value": jnp.zeros(shape, self.compute_dtype)}
+
+    def extend_paged(
+        self, x: jax.Array, cache: dict, *, positions: jax.Array, num_new: jax.Array, block_tables: jax.Array
+    ) -> tuple[jax.Array, dict]:
+        """`extend` over a paged cache: each row's new tokens write their keys and values into their
+        sequence's blocks, then attend to everything of their sequence at positions up to their own.
+
+        Runs the same named steps (`project_qkv`, `normalize_qk`, `position_embed`) as `forward`,
+        then `attend_paged` and `project_output`.
+
+        Args:
+            x: `[batch, t, input_dim]`; row b's first `num_new[b]` tokens are valid (the rest padding).
+            cache: `init_paged_cache`'s tree, `[num_blocks, block_size, kv_heads, head_dim]` each.
+            positions: `[batch, t]` int absolute positions of the new tokens.
+            num_new: `[batch]` int valid tokens per row (0: an empty row).
+            block_tables: `[batch, max_blocks]` int block ids of each row's sequence (padded with 0);
+                position p lives in block `block_tables[b, p // block_size]` at offset `p % block_size`.
+                Padding tokens write into the null block 0.
+
+        Returns:
+            `([batch, t, input_dim], cache)`; outputs of padding tokens are finite garbage.
+        """
+        q, k, v = self.project_qkv(x)
+        q, k = self.normalize_qk(q, k)
+        q, k = self.position_embed(q, k, positions)
+        num_blocks, block_size = cache["key"].shape[:2]
+        slots = paged_slots(positions, num_new, block_tables, block_size).reshape(-1)
+
+        def write(blocks: jax.Array, update: jax.Array) -> jax.Array:
+            flat = blocks.reshape(num_blocks * block_size, *blocks.shape[2:])
+            flat = flat.at[slots].set(update.reshape(-1, *update.shape[2:]).astype(blocks.dtype))
+            return flat.reshape(blocks.shape)
+
+        new = {"key": write(cache["key"], k), "value": write(cache["value"], v)}
+        out = self.attend_paged(q, new, positions=positions, num_new=num_new, block_tables=block_tables)
+        return self.project_output(out), new
+
+    def attend_paged(
+        self, q: jax.Array, cache: dict, *, positions: jax.Array, num_new: jax.Array, block_tables: jax.Array
+    ) -> jax.Array:
+        """The attention step over a paged cache, through the selected `paged_attention` kernel: q
+        `[b, t, heads, head_dim]` and the cache (new keys already written) -> `[b, t, heads, head_dim]`
+        (scale, soft-cap, sliding window and position biases per config; no dropout)."""
+        cfg = self._config
+        slopes, bias_fn = self._position_bias()
+        problem = PagedAttentionProblem.of(
+            q, cache["key"], block_tables,
+            mesh=current_environment().mesh,
+            extras=self.op_extras(PAGED_ATTENTION),
+            scale=cfg.scale if cfg.scale is not None else 1.0 / math.sqrt(self.head_dim),
+            sliding_window=cfg.sliding_window,
+            softcap=cfg.softcap,
+            bias_slopes=slopes,
+            bias_fn=bias_fn,
+            site=f"{self.path}.paged_attention",
+        )
+        kernel = self.registries.kernels.select(PAGED_ATTENTION, problem, requested=self.kernel_choice(PAGED_ATTENTION))
+        return self._run_kernel(
+            kernel, "paged_attention", problem, q, cache["key"], cache["value"], block_tables, positions, num_new
+        )
+
     def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Step 1, the input projections (`wq`, `wk`, `wv` through the `dot` op, plus `bq`, `bk`, `bv`
         with `qkv_bias`).
@@ -301,6 +374,19 @@ class MultiheadAttention(BaseLayer):
         """
         return self._add_bias(self._dot("o_proj", self._constrain(out, QKV_AXES["q"])), "bo")
 
+    def _position_bias(self) -> tuple[tuple[float, ...] | None, Any]:
+        """`(bias_slopes, bias_fn)` of the position embedding for the attention ops (ALiBi slopes, or an
+        overridden `attention_bias`); `(None, None)` without a position bias."""
+        if "position_embedding" not in self.children:
+            return None, None
+        embedding = self.position_embedding
+        found = embedding.bias_slopes()
+        if found is not None:
+            return tuple(float(s) for s in found), None
+        if type(embedding).attention_bias is not PositionEmbedding.attention_bias:
+            return None, embedding.attention_bias
+        return None, None
+
     def attend(
         self, q, k, v, *, positions=None, kv_mask=None, segment_ids=None, kv_positions=None, masked_by_positions=False
     ) -> jax.Array:
@@ -321,14 +407,7 @@ class MultiheadAttention(BaseLayer):
             `[b, t, heads, head_dim]`, softmax-weighted values (masking, soft-cap, dropout per config).
         """
         cfg = self._config
-        slopes, bias_fn = None, None
-        if "position_embedding" in self.children:
-            embedding = self.position_embedding
-            found = embedding.bias_slopes()
-            if found is not None:
-                slopes = tuple(float(s) for s in found)
-            elif type(embedding).attention_bias is not PositionEmbedding.attention_bias:
-                bias_fn = embedding.attention_bias
+        slopes, bias_fn = self._position_bias()
         dropout = cfg.dropout_rate if self.is_training else 0.0
         extras = self.op_extras(ATTENTION)
         if current_zigzag_shards() > 1:  # The sequence is in zigzag order (CausalLM's context load balancing).
@@ -370,9 +449,11 @@ class MultiheadAttention(BaseLayer):
 class CacheSlot:
     """The KV cache one attention reads and writes while a layer's `forward` runs as decoding."""
 
-    def __init__(self, cache: dict):
-        # `init_cache`'s tree; replaced by the updated cache when the attention runs.
+    def __init__(self, cache: dict, paged: dict | None = None):
+        # `init_cache`'s (or `init_paged_cache`'s) tree; replaced by the updated cache when the attention runs.
         self.cache = cache
+        # `extend_paged`'s `num_new` and `block_tables` when the cache is paged; None for a dense cache.
+        self.paged = paged
 
 
 # id(attention) -> its CacheSlot, for the attentions decoding in this context. Never mutated: `decoding_into`
@@ -381,16 +462,17 @@ _DECODING: contextvars.ContextVar[dict[int, CacheSlot]] = contextvars.ContextVar
 
 
 @contextlib.contextmanager
-def decoding_into(attention: MultiheadAttention, cache: dict) -> Iterator[CacheSlot]:
+def decoding_into(attention: MultiheadAttention, cache: dict, paged: dict | None = None) -> Iterator[CacheSlot]:
     """While active, `attention`'s forward runs as `attention.extend` against `cache`
-    (the slot's `cache` holds the updated one afterwards).
+    (the slot's `cache` holds the updated one afterwards); with `paged` (`{"num_new": ...,
+    "block_tables": ...}`) as `attention.extend_paged` against a paged cache.
 
     This is how a layer decodes through its own named steps: `TransformerLayer.extend` runs
     the layer's `forward` (so `attention_block` / `ffn_block`, or a subclass's override of
     them or of `forward`, run in decoding exactly as in training) with its attention
     redirected to the cache.
     """
-    slot = CacheSlot(cache)
+    slot = CacheSlot(cache, paged)
     token = _DECODING.set({**_DECODING.get(), id(attention): slot})
     try:
         yield slot

@@ -254,6 +254,51 @@ class CausalLM(BaseLayer):
         x, decoder_cache = self.decoder.extend(self._embed(input_ids, positions), cache["decoder"], positions=positions)
         return self._head(x), {"decoder": decoder_cache}
 
+    @no_context
+    def init_paged_cache(self, num_blocks: int, block_size: int) -> dict:
+        """An empty paged KV cache (`axcore.kernels.paged_attention`): `{"decoder": ...}`, nested like the
+        decoder's parameters, each attention's `key`/`value` `[num_blocks, block_size, kv_heads, head_dim]`.
+
+        Block 0 is the null block; a sequence may hold at most `max_cache_len()` positions."""
+        return {"decoder": self.decoder.init_paged_cache(num_blocks, block_size)}
+
+    def extend_paged(
+        self,
+        input_ids: jax.Array,
+        cache: dict,
+        *,
+        positions: jax.Array,
+        num_new: jax.Array,
+        block_tables: jax.Array,
+        all_logits: bool = False,
+    ) -> tuple[jax.Array, dict]:
+        """One inference-engine step over a paged KV cache: each row feeds a chunk of one sequence.
+
+        Row b's first `num_new[b]` tokens are the sequence's next tokens (a prompt chunk, or
+        one token in decoding); each attends to every cached token of its sequence at
+        positions up to its own (its own key and value written in this call). The logits
+        equal those of `logits()` over the whole sequence at the same positions.
+
+        Args:
+            input_ids: `[batch, t]` int, left-aligned, padded (with any id).
+            cache: `init_paged_cache`'s tree.
+            positions: `[batch, t]` int absolute positions of the tokens.
+            num_new: `[batch]` int valid tokens per row (0: an empty padding row).
+            block_tables: `[batch, max_blocks]` int block ids of each row's sequence, padded with 0.
+            all_logits: return every token's logits instead of the last valid one's.
+
+        Returns:
+            `(logits, cache)`: float32 logits `[batch, vocab_size]` of each row's last valid token
+            (token `max(num_new[b] - 1, 0)`), or `[batch, t, vocab_size]` with `all_logits`;
+            padding tokens' and empty rows' logits are finite garbage.
+        """
+        paged = {"positions": positions, "num_new": num_new, "block_tables": block_tables}
+        x, decoder_cache = self.decoder.extend_paged(self._embed(input_ids, positions), cache["decoder"], **paged)
+        if all_logits:
+            return self._head(x), {"decoder": decoder_cache}
+        last = jnp.maximum(num_new - 1, 0)[:, None, None]
+        return self._head(jnp.take_along_axis(x, last, axis=1))[:, 0], {"decoder": decoder_cache}
+
     def _embed(self, input_ids: jax.Array, positions: jax.Array) -> jax.Array:
         """input_ids `[b, t]` -> the decoder's input `[b, t, dim]` (token embeddings, times sqrt(dim) with
         `scale_embeddings`, and input position embeddings)."""

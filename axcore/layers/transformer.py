@@ -24,6 +24,9 @@ parameters needed) and `extend(x, cache, *, positions) -> (x, cache)`, the forwa
 with the attention's keys and values kept in a KV cache (see
 `MultiheadAttention.extend` for the prefill and step forms). A stack's cache nests
 like its parameters (`layer0`, ... or one `layer` tree with a leading repeats axis).
+The inference engine's paged form is `init_paged_cache(num_blocks, block_size)` and
+`extend_paged(x, cache, *, positions, num_new, block_tables) -> (x, cache)`
+(`MultiheadAttention.extend_paged`), nested the same way.
 """
 
 from __future__ import annotations
@@ -149,7 +152,28 @@ class TransformerLayer(BaseLayer):
         them) with the self-attention redirected to the cache (`decoding_into`), so
         decoding computes what training computes.
         """
-        with decoding_into(self.self_attention, cache) as slot:
+        return self._decode(x, cache, positions, None)
+
+    @no_context
+    def init_paged_cache(self, num_blocks: int, block_size: int) -> dict:
+        """The self-attention's empty paged KV cache (`MultiheadAttention.init_paged_cache`)."""
+        attention = self.self_attention
+        if not hasattr(attention, "init_paged_cache"):
+            raise TypeError(
+                f"{attention.path}: {type(attention).__name__} has no paged KV cache (init_paged_cache/extend_paged), "
+                f"so the inference engine cannot run this model; derive the attention from MultiheadAttention."
+            )
+        return attention.init_paged_cache(num_blocks, block_size)
+
+    def extend_paged(
+        self, x: jax.Array, cache: dict, *, positions: jax.Array, num_new: jax.Array, block_tables: jax.Array
+    ) -> tuple[jax.Array, dict]:
+        """`extend` over a paged KV cache (`MultiheadAttention.extend_paged`): x `[b, t, dim]` -> `(same, cache)`."""
+        return self._decode(x, cache, positions, {"num_new": num_new, "block_tables": block_tables})
+
+    def _decode(self, x: jax.Array, cache: dict, positions: jax.Array, paged: dict | None) -> tuple[jax.Array, dict]:
+        """This layer's `forward` with the self-attention on `cache` (paged when `paged` is given)."""
+        with decoding_into(self.self_attention, cache, paged) as slot:
             y = self.forward(x, positions=positions)
         if slot.cache is cache:
             raise TypeError(
@@ -214,6 +238,20 @@ class StackedTransformer(BaseLayer):
         new = {}
         for i in range(self._config.num_layers):
             x, new[f"layer{i}"] = getattr(self, f"layer{i}").extend(x, cache[f"layer{i}"], positions=positions)
+        return x, new
+
+    @no_context
+    def init_paged_cache(self, num_blocks: int, block_size: int) -> dict:
+        """`{"layer0": cache, ...}`, each layer's empty paged KV cache."""
+        n = self._config.num_layers
+        return {f"layer{i}": getattr(self, f"layer{i}").init_paged_cache(num_blocks, block_size) for i in range(n)}
+
+    def extend_paged(self, x: jax.Array, cache: dict, **paged: jax.Array) -> tuple[jax.Array, dict]:
+        """Each layer's `extend_paged` in sequence (`paged`: positions, num_new, block_tables): x `[b, t, dim]`
+        -> `(same shape, cache)`."""
+        new = {}
+        for i in range(self._config.num_layers):
+            x, new[f"layer{i}"] = getattr(self, f"layer{i}").extend_paged(x, cache[f"layer{i}"], **paged)
         return x, new
 
 
@@ -419,6 +457,28 @@ class RepeatedTransformer(BaseLayer):
             (out, new_cache), _ = functional(
                 self.layer, layer_params, {"x": carry, "cache": layer_cache, "positions": positions}, None,
                 ctx.is_training, method="extend",
+            )
+            return out, new_cache
+
+        x, new = jax.lax.scan(body, x, (ctx.state.get("layer", {}), cache["layer"]), length=self.repeats)
+        return x, {"layer": new}
+
+    @no_context
+    def init_paged_cache(self, num_blocks: int, block_size: int) -> dict:
+        """`{"layer": the unit's empty paged KV cache}` with a leading `[repeats]` axis on every leaf."""
+        unit = self.layer.init_paged_cache(num_blocks, block_size)
+        return {"layer": jax.tree.map(lambda a: jnp.zeros((self.repeats, *a.shape), a.dtype), unit)}
+
+    def extend_paged(self, x: jax.Array, cache: dict, **paged: jax.Array) -> tuple[jax.Array, dict]:
+        """The unit's `extend_paged` under `lax.scan` over (parameters, cache) (`paged`: positions, num_new,
+        block_tables): x `[b, t, dim]` -> `(same shape, cache)`."""
+        ctx = self._context()
+
+        def body(carry, xs):
+            layer_params, layer_cache = xs
+            (out, new_cache), _ = functional(
+                self.layer, layer_params, {"x": carry, "cache": layer_cache, **paged}, None,
+                ctx.is_training, method="extend_paged",
             )
             return out, new_cache
 

@@ -32,7 +32,11 @@ _EXPORTS = {
         "DecodingConformance",
         "PositionEmbeddingConformance",
     ],
-    "axcore.testing.decoding": ["check_decoding_matches_forward"],
+    "axcore.testing.decoding": [
+        "check_decoding_matches_forward",
+        "check_experiment_paged",
+        "check_paged_matches_forward",
+    ],
     "axcore.testing.attention": [
         "DEFAULT_CASES",
         "AttentionCase",

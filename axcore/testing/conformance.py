@@ -267,7 +267,10 @@ class DecodingConformance:
 
     Set `plugins` / `objects` (and `overrides`, e.g. `model.decoder.layer.type=my_block`);
     the suite builds `experiment` shrunk by TINY_OVERRIDES in float32 and decodes a
-    prompt then one token at a time, unrolled and scanned (`scan` experiment) stacks both.
+    prompt then one token at a time, unrolled and scanned (`scan` experiment) stacks both;
+    then the inference engine's paged form (`CausalLM.extend_paged`: chunked prefills and
+    decode steps of several sequences in one batch over shuffled KV blocks) must give the
+    same logits too.
     """
 
     # Plugins (names, or keys of `objects`) to enable.
@@ -289,3 +292,4 @@ class DecodingConformance:
         params = model.initialize(jax.random.key(1))
         vocab = int(exp.config.model.vocab_size)
         decoding.check_decoding_matches_forward(model, params, vocab=vocab)
+        decoding.check_paged_matches_forward(model, params, vocab=vocab)

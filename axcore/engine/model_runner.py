@@ -1,0 +1,199 @@
+"""The engine's model call: one compiled program per padded step shape, over a paged KV cache it holds.
+
+`ModelRunner(model, num_blocks=..., block_size=..., batch_buckets=..., token_buckets=...,
+max_programs=...)` owns the paged KV cache (`CausalLM.init_paged_cache`) and runs one
+engine step as one call of `CausalLM.extend_paged`: the caller (the scheduler) gives the
+step's rows (`tokens [b, t]`, `positions [b, t]`, `num_new [b]`, `block_tables [b, w]`,
+the SHARED INTERFACE of `axcore.engine`), the runner pads them to the smallest bucket
+`(B, T)` that holds them (empty rows: num_new 0, block table 0; padding tokens: id 0 at
+position 0) and the tables to a width `W` (a power of two, or the longest table a
+sequence can have), and runs the program of `(B, T, W)` on the caller's parameters
+(passed through, never copied). The cache is donated to each call and replaced by the
+one it returns, so it is updated in place on devices that support donation.
+
+Compilation is bounded: programs are compiled ahead of time, one per distinct
+`(B, T, W, all_logits)`, counted (`num_programs`, `programs`), and a step that would
+compile one past `max_programs` raises `ModelRunnerError` naming `max_programs`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from axcore.errors import AxcoreError
+from axcore.module import Module, functional
+
+
+class ModelRunnerError(AxcoreError, ValueError):
+    """A runner setting or a step's arrays are invalid; `field` names the setting or array."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"'{field}': {problem}")
+        self.field, self.problem = field, problem
+
+
+def _buckets(field: str, values: Sequence[int]) -> tuple[int, ...]:
+    """`values` sorted, checked to be a non-empty list of distinct positive ints."""
+    if isinstance(values, (int, str)) or not values:
+        raise ModelRunnerError(field, f"is {values!r}; give a non-empty list of positive sizes, e.g. [1, 8, 32].")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ModelRunnerError(field, f"holds {v!r}; every bucket must be a positive integer.")
+    if len(set(values)) != len(values):
+        raise ModelRunnerError(field, f"is {list(values)!r}, which repeats a size; list each bucket once.")
+    return tuple(sorted(int(v) for v in values))
+
+
+def _positive(field: str, value: Any, least: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise ModelRunnerError(field, f"is {value!r}; it must be an integer >= {least}.")
+    return int(value)
+
+
+class ModelRunner:
+    """Holds a model's paged KV cache and runs engine steps on it (module docstring).
+
+    Args:
+        model: a causal LM with `init_paged_cache` / `extend_paged` (`axcore.layers.CausalLM`).
+        num_blocks: KV blocks of the cache, the null block 0 included (>= 2).
+        block_size: tokens per block.
+        batch_buckets: row counts B a step is padded to (the largest is the most rows per step).
+        token_buckets: tokens per row T a step is padded to (the largest is the longest chunk).
+        max_programs: most compiled programs; one more raises `ModelRunnerError`.
+    """
+
+    def __init__(
+        self,
+        model: Module,
+        *,
+        num_blocks: int,
+        block_size: int,
+        batch_buckets: Sequence[int],
+        token_buckets: Sequence[int],
+        max_programs: int,
+    ):
+        self.model = model
+        self.num_blocks = _positive("num_blocks", num_blocks, least=2)
+        self.block_size = _positive("block_size", block_size)
+        self.batch_buckets = _buckets("batch_buckets", batch_buckets)
+        self.token_buckets = _buckets("token_buckets", token_buckets)
+        self.max_programs = _positive("max_programs", max_programs)
+        limit = model.max_cache_len()
+        # Longest block table a sequence can need: its positions fill at most every non-null block.
+        self.max_blocks_per_seq = self.num_blocks - 1 if limit is None else min(
+            self.num_blocks - 1, -(-limit // self.block_size)
+        )
+        widths = {1 << i for i in range(self.max_blocks_per_seq.bit_length()) if 1 << i < self.max_blocks_per_seq}
+        # Block-table widths W a step is padded to: powers of two, then the longest table.
+        self.table_buckets = tuple(sorted(widths | {self.max_blocks_per_seq}))
+        # The paged KV cache (`CausalLM.init_paged_cache`), replaced by each step's updated one.
+        self.cache = model.init_paged_cache(self.num_blocks, self.block_size)
+        self._jitted = jax.jit(self._step, donate_argnums=(1,), static_argnames=("all_logits",))
+        self._programs: dict[tuple[int, int, int, bool], Any] = {}
+
+    @property
+    def num_programs(self) -> int:
+        """Programs compiled so far."""
+        return len(self._programs)
+
+    @property
+    def programs(self) -> list[tuple[int, int, int, bool]]:
+        """The `(B, T, W, all_logits)` of each compiled program, in compile order."""
+        return list(self._programs)
+
+    def padded_shape(self, rows: int, tokens: int, width: int) -> tuple[int, int, int]:
+        """`(B, T, W)`: the smallest batch, token and table-width buckets holding a step's sizes."""
+        return (
+            self._bucket("batch_buckets", self.batch_buckets, rows, "rows"),
+            self._bucket("token_buckets", self.token_buckets, tokens, "tokens per row"),
+            self._bucket("block_tables", self.table_buckets, width, "blocks per sequence"),
+        )
+
+    @staticmethod
+    def _bucket(field: str, buckets: tuple[int, ...], size: int, what: str) -> int:
+        i = bisect.bisect_left(buckets, size)
+        if i == len(buckets):
+            raise ModelRunnerError(field, f"a step has {size} {what}, more than the largest bucket {buckets[-1]}.")
+        return buckets[i]
+
+    def step(
+        self,
+        params: Any,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        num_new: np.ndarray,
+        block_tables: np.ndarray,
+        *,
+        all_logits: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """Runs one engine step; the cache keeps the new tokens' keys and values.
+
+        Args:
+            params: the model's parameter tree (the live one; it is read, never copied or donated).
+            tokens: `[b, t]` int, row r = a chunk of one sequence, left-aligned.
+            positions: `[b, t]` int absolute positions of those tokens.
+            num_new: `[b]` int valid tokens per row (0: an empty row).
+            block_tables: `[b, w]` int block ids of each row's sequence (padded with 0).
+            all_logits: also return every token's logits (prompt log-probabilities).
+
+        Returns:
+            float32 logits `[B, vocab]` of each row's last valid token (rows >= b: padding
+            rows, finite garbage); with `all_logits`, `(that, [B, T, vocab])`.
+        """
+        arrays = self._checked(tokens, positions, num_new, block_tables)
+        b, t = arrays[0].shape
+        shape = self.padded_shape(b, t, arrays[3].shape[1])
+        rows, cols = shape[0], (shape[1], shape[1], None, shape[2])
+        padded = [np.pad(a, [(0, rows - b)] + ([] if c is None else [(0, c - a.shape[1])])) for a, c in zip(arrays, cols)]
+        key = (*shape, bool(all_logits))
+        program = self._programs.get(key)
+        if program is None:
+            if len(self._programs) >= self.max_programs:
+                raise ModelRunnerError(
+                    "max_programs",
+                    f"a step of shape (rows, tokens, table width) {shape} needs compiled program "
+                    f"{len(self._programs) + 1}, past max_programs {self.max_programs} (compiled: "
+                    f"{self.programs}); raise max_programs or use fewer buckets.",
+                )
+            program = self._jitted.lower(params, self.cache, *padded, all_logits=bool(all_logits)).compile()
+            self._programs[key] = program
+        out, self.cache = program(params, self.cache, *padded)
+        return out
+
+    def _checked(self, tokens, positions, num_new, block_tables) -> list[np.ndarray]:
+        """The step's arrays as int32 NumPy, shapes and ranges checked (`ModelRunnerError` naming the array)."""
+        arrays = [np.asarray(a) for a in (tokens, positions, num_new, block_tables)]
+        names = ("tokens", "positions", "num_new", "block_tables")
+        for name, a, ndim in zip(names, arrays, (2, 2, 1, 2)):
+            if a.ndim != ndim or not np.issubdtype(a.dtype, np.integer):
+                raise ModelRunnerError(name, f"has shape {a.shape} and dtype {a.dtype}; expected {ndim}-D integers.")
+        tokens, positions, num_new, tables = arrays
+        b, t = tokens.shape
+        if positions.shape != (b, t) or num_new.shape != (b,) or tables.shape[0] != b:
+            raise ModelRunnerError(
+                "positions", f"shapes {positions.shape}, num_new {num_new.shape}, block_tables {tables.shape} do "
+                f"not match tokens {tokens.shape} (want [b, t], [b], [b, w])."
+            )
+        if b and (num_new.min() < 0 or num_new.max() > t):
+            raise ModelRunnerError("num_new", f"holds values outside 0..{t} (the tokens per row).")
+        if tables.size and (tables.min() < 0 or tables.max() >= self.num_blocks):
+            raise ModelRunnerError("block_tables", f"holds block ids outside 0..{self.num_blocks - 1}.")
+        return [a.astype(np.int32) for a in arrays]
+
+    def _step(self, params, cache, tokens, positions, num_new, block_tables, *, all_logits: bool):
+        """The compiled step: `extend_paged`, then the last valid token's logits (and all, if asked)."""
+        inputs = {
+            "input_ids": tokens, "cache": cache, "positions": positions, "num_new": num_new,
+            "block_tables": block_tables, "all_logits": all_logits,
+        }
+        (logits, cache), _ = functional(self.model, params, inputs, None, False, method="extend_paged")
+        if not all_logits:
+            return logits, cache
+        last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]
+        return (last, logits), cache
