@@ -49,15 +49,15 @@ class Engine:
         model: a causal LM with `init_paged_cache` / `extend_paged` (`axcore.layers.CausalLM`).
         params: its parameter tree (used in place, never copied).
         tokenizer: decodes the outputs' text (None: outputs carry token ids only, stop strings refused).
-        config: cache, batching and compilation settings.
+        config: cache, batching and compilation settings (None: `EngineConfig()`).
         eos_token_ids: tokens that end a choice unless its request sets `ignore_eos`.
         name: the base model's name (`model_names()`).
     """
 
     def __init__(self, model: Any, params: Any, tokenizer: Tokenizer | None = None, *,
-                 config: EngineConfig = EngineConfig(), eos_token_ids: Sequence[int] = (), name: str = "model"):
+                 config: EngineConfig | None = None, eos_token_ids: Sequence[int] = (), name: str = "model"):
         self.model, self.params, self.tokenizer, self.name = model, params, tokenizer, name
-        self.config = config
+        self.config = config = config or EngineConfig()
         # Token ids a prompt may hold: 0..vocab_size-1.
         self.vocab_size = int(model.config.vocab_size)
         # The settings in effect (None fields of `config` filled in): num_blocks, max_model_len, buckets.

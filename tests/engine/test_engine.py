@@ -1,0 +1,186 @@
+"""`axcore.engine.Engine` on a tiny random Hugging Face Llama imported without downloads (`axcore_hf`).
+
+References are independent of the engine: transformers' greedy `generate` on the same
+weights, and axcore's full forward (`logits` over the whole sequence, no cache) for
+log-probabilities and for parameters transformers does not hold. One engine (a small
+cache: 12 blocks of 4 tokens, so several long sequences preempt each other) serves the
+module; counters are compared before and after each scenario.
+"""
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import axcore
+from axcore.engine import Engine, EngineConfig, EngineError
+from axcore.engine.requests import GenerationRequest, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+hf_testing = pytest.importorskip("axcore_hf.testing")
+
+VOCAB = 256  # The run's byte tokenizer has 256 ids.
+CONFIG = EngineConfig(block_size=4, num_blocks=13, max_seqs=4, max_tokens_per_step=16, batch_buckets=(4,),
+                      token_buckets=(16,))
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(transformers model, imported run directory) of a 2-layer Llama with GQA, vocabulary 256."""
+    root = tmp_path_factory.mktemp("tiny")
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
+    model = hf_testing.build(config)
+    model.generation_config.eos_token_id = None  # Greedy to the length asked, as the engine with ignore_eos.
+    model.save_pretrained(root / "hf")
+    hf_testing.hf_to_axcore(root / "hf", root / "run", seq_len=32)
+    return model, root / "run"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    engine = Engine.from_run(str(tiny[1]), config=CONFIG)
+    yield engine
+    engine.close()
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1, VOCAB, size=length).tolist()
+
+
+def hf_greedy(model, ids, count: int) -> list[int]:
+    """transformers' greedy continuation of `ids` by `count` tokens."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def full_logprobs(engine, params, ids) -> np.ndarray:
+    """log_softmax of axcore's full forward over `ids`: [len(ids), vocab]."""
+    logits = axcore.functional(engine.model, params, (np.asarray([ids]),), None, False, method="logits")[0]
+    return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)[0], axis=-1))
+
+
+def full_greedy(engine, params, ids, count: int) -> list[int]:
+    """Greedy continuation by axcore's full forward (no cache), one token at a time."""
+    ids = list(ids)
+    for _ in range(count):
+        ids.append(int(np.argmax(full_logprobs(engine, params, ids)[-1])))
+    return ids[len(ids) - count:]
+
+
+def run_until_done(engine, requests, steps_between=()):
+    """Adds `requests[k]` after `steps_between[k - 1]` more steps (all at once without), then steps to the end."""
+    finals = {}
+
+    def sink_for(rid):
+        return lambda out: finals.__setitem__(rid, out)
+
+    for k, request in enumerate(requests):
+        if k and k - 1 < len(steps_between):
+            for _ in range(steps_between[k - 1]):
+                engine.step()
+        engine.add_request(request, sink_for(request.request_id))
+    while any(not (r.request_id in finals and finals[r.request_id].finished) for r in requests):
+        engine.step()
+    return [finals[r.request_id] for r in requests]
+
+
+def test_greedy_outputs_equal_transformers_generate(engine, tiny):
+    """Mixed prompt lengths, requests joining mid-flight, a shared prefix found in the prefix cache, n = 3 at
+    temperature 0, and preemptions on the small cache: every choice is transformers' greedy continuation."""
+    model = tiny[0]
+    shared = prompt(9, 13)
+    prompts = [prompt(1, 3), prompt(2, 14), prompt(3, 9), shared + [5, 6], shared + [7]]
+    before = engine.stats()
+    requests = [GenerationRequest(f"greedy{k}", p, SamplingParams(max_tokens=10, n=3 if k == 2 else 1, **GREEDY))
+                for k, p in enumerate(prompts)]
+    outputs = run_until_done(engine, requests, steps_between=(2, 1, 0, 3))
+    after = engine.stats()
+    for p, out in zip(prompts, outputs):
+        expected = hf_greedy(model, p, 10)
+        assert [c.token_ids for c in out.choices] == [expected] * len(out.choices)
+        assert all(c.finish_reason == "length" for c in out.choices)
+        assert [c.text for c in out.choices] == [engine.tokenizer.decode(expected)] * len(out.choices)
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= 3  # The shared 12-token prefix, 3 blocks.
+    assert after.preemptions > before.preemptions
+    assert (after.kv_blocks_used, after.running, after.waiting) == (0, 0, 0)
+
+
+def test_logprobs_equal_the_full_forward(engine):
+    """Sampled tokens' log-probabilities, their top 5, and the prompt's, within 1e-4 of log_softmax of the
+    full forward's logits over the prompt and the output."""
+    ids = prompt(4, 11)
+    params = SamplingParams(max_tokens=5, logprobs=5, prompt_logprobs=2, **GREEDY)
+    (out,) = engine.generate([GenerationRequest("lp", ids, params)])
+    choice = out.choices[0]
+    reference = full_logprobs(engine, engine.params, ids + choice.token_ids)
+    for j, token in enumerate(choice.token_ids):
+        row = reference[len(ids) + j - 1]
+        assert token == int(np.argmax(row))
+        assert abs(choice.logprobs[j] - row[token]) < 1e-4
+        top = np.argsort(-row, kind="stable")[:5]
+        assert list(choice.top_logprobs[j]) == top.tolist()
+        np.testing.assert_allclose(list(choice.top_logprobs[j].values()), row[top], atol=1e-4)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    np.testing.assert_allclose(out.prompt_logprobs[1:], reference[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+
+
+def test_a_seed_draws_the_same_tokens_alone_and_in_a_batch(engine):
+    ids = prompt(5, 6)
+
+    def seeded(rid, seed):
+        return GenerationRequest(rid, ids, SamplingParams(max_tokens=8, temperature=1.0, seed=seed, ignore_eos=True))
+
+    (alone,) = engine.generate([seeded("alone", 7)])
+    others = [GenerationRequest(f"other{k}", prompt(10 + k, 5 + 3 * k), SamplingParams(max_tokens=6, temperature=0.8))
+              for k in range(2)]
+    batched = run_until_done(engine, [others[0], seeded("batched", 7), others[1]], steps_between=(1, 0))[1]
+    (other_seed,) = engine.generate([seeded("other-seed", 8)])
+    assert batched.choices[0].token_ids == alone.choices[0].token_ids
+    assert other_seed.choices[0].token_ids != alone.choices[0].token_ids
+
+
+def test_closing_a_stream_early_aborts_its_request(engine):
+    request = GenerationRequest("streamed", prompt(6, 7), SamplingParams(max_tokens=40, **GREEDY))
+
+    async def first_then_close():
+        stream = engine.stream(request)
+        first = await anext(stream)
+        held = engine.stats().kv_blocks_used
+        await stream.aclose()
+        return first, held
+
+    first, held = asyncio.run(first_then_close())
+    assert len(first.choices[0].token_ids) >= 1 and not first.finished and held > 0
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished()
+    assert not engine.abort("streamed")  # No longer live.
+
+
+def test_update_weights_mid_run_recomputes_on_the_new_parameters(engine):
+    old = engine.params
+    new = jax.tree.map(lambda x: jax.device_put(jnp.flip(x, 0), x.sharding), old)
+    ids = prompt(7, 10)
+    try:
+        seen = []
+        engine.add_request(GenerationRequest("update", ids, SamplingParams(max_tokens=8, **GREEDY)), seen.append)
+        while not seen or len(seen[-1].choices[0].token_ids) < 3:
+            engine.step()
+        engine.update_weights(new)
+        while not seen[-1].finished:
+            engine.step()
+        tokens = seen[-1].choices[0].token_ids
+        done = 3  # Tokens sampled before the update (a step adds one; the loop stopped at the first output with 3).
+        assert tokens[:done] == full_greedy(engine, old, ids, done)
+        assert tokens[done:] == full_greedy(engine, new, ids + tokens[:done], 8 - done)
+        # The prompt's blocks cached under the old weights are not reused: a fresh request sees the new ones.
+        (again,) = engine.generate([GenerationRequest("again", ids, SamplingParams(max_tokens=4, **GREEDY))])
+        assert again.choices[0].token_ids == full_greedy(engine, new, ids, 4) != full_greedy(engine, old, ids, 4)
+        with pytest.raises(EngineError, match="structure"):
+            engine.update_weights({"not": jnp.zeros(2)})
+    finally:
+        engine.update_weights(old)
