@@ -12,11 +12,14 @@ import asyncio
 import jax
 import jax.numpy as jnp
 import numpy as np
+import openai
 import pytest
+from live_server import LiveServer
 
 import axcore
 from axcore.engine import Engine, EngineConfig, EngineError
 from axcore.engine.requests import GenerationRequest, SamplingParams
+from axcore.serving import TextFrontend
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -59,17 +62,30 @@ def hf_greedy(model, ids, count: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def full_logprobs(engine, params, ids) -> np.ndarray:
-    """log_softmax of axcore's full forward over `ids`: [len(ids), vocab]."""
-    logits = axcore.functional(engine.model, params, (np.asarray([ids]),), None, False, method="logits")[0]
-    return np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)[0], axis=-1))
+WIDTH = 64  # Sequences the full forward references pad to (causal: padding after a token never changes its logits).
 
 
-def full_greedy(engine, params, ids, count: int) -> list[int]:
-    """Greedy continuation by axcore's full forward (no cache), one token at a time."""
+@pytest.fixture(scope="module")
+def forward(engine):
+    """`forward(params, ids)`: log_softmax of axcore's full forward over `ids` (no cache): [len(ids), vocab].
+
+    One compiled program: `ids` are padded to WIDTH."""
+    jitted = jax.jit(lambda params, ids: jax.nn.log_softmax(axcore.functional(
+        engine.model, params, (ids,), None, False, method="logits")[0].astype(jnp.float32), axis=-1))
+
+    def run(params, ids):
+        padded = np.zeros((1, WIDTH), np.int32)
+        padded[0, : len(ids)] = ids
+        return np.asarray(jitted(params, padded))[0, : len(ids)]
+
+    return run
+
+
+def full_greedy(forward, params, ids, count: int) -> list[int]:
+    """Greedy continuation by axcore's full forward, one token at a time."""
     ids = list(ids)
     for _ in range(count):
-        ids.append(int(np.argmax(full_logprobs(engine, params, ids)[-1])))
+        ids.append(int(np.argmax(forward(params, ids)[-1])))
     return ids[len(ids) - count:]
 
 
@@ -111,14 +127,14 @@ def test_greedy_outputs_equal_transformers_generate(engine, tiny):
     assert (after.kv_blocks_used, after.running, after.waiting) == (0, 0, 0)
 
 
-def test_logprobs_equal_the_full_forward(engine):
+def test_logprobs_equal_the_full_forward(engine, forward):
     """Sampled tokens' log-probabilities, their top 5, and the prompt's, within 1e-4 of log_softmax of the
     full forward's logits over the prompt and the output."""
     ids = prompt(4, 11)
     params = SamplingParams(max_tokens=5, logprobs=5, prompt_logprobs=2, **GREEDY)
     (out,) = engine.generate([GenerationRequest("lp", ids, params)])
     choice = out.choices[0]
-    reference = full_logprobs(engine, engine.params, ids + choice.token_ids)
+    reference = forward(engine.params, ids + choice.token_ids)
     for j, token in enumerate(choice.token_ids):
         row = reference[len(ids) + j - 1]
         assert token == int(np.argmax(row))
@@ -159,9 +175,10 @@ def test_closing_a_stream_early_aborts_its_request(engine):
     assert len(first.choices[0].token_ids) >= 1 and not first.finished and held > 0
     assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished()
     assert not engine.abort("streamed")  # No longer live.
+    engine.close()  # The stream's background thread stops: the tests after this one step by hand.
 
 
-def test_update_weights_mid_run_recomputes_on_the_new_parameters(engine):
+def test_update_weights_mid_run_recomputes_on_the_new_parameters(engine, forward):
     old = engine.params
     new = jax.tree.map(lambda x: jax.device_put(jnp.flip(x, 0), x.sharding), old)
     ids = prompt(7, 10)
@@ -175,12 +192,27 @@ def test_update_weights_mid_run_recomputes_on_the_new_parameters(engine):
             engine.step()
         tokens = seen[-1].choices[0].token_ids
         done = 3  # Tokens sampled before the update (a step adds one; the loop stopped at the first output with 3).
-        assert tokens[:done] == full_greedy(engine, old, ids, done)
-        assert tokens[done:] == full_greedy(engine, new, ids + tokens[:done], 8 - done)
+        assert tokens[:done] == full_greedy(forward, old, ids, done)
+        assert tokens[done:] == full_greedy(forward, new, ids + tokens[:done], 8 - done)
         # The prompt's blocks cached under the old weights are not reused: a fresh request sees the new ones.
         (again,) = engine.generate([GenerationRequest("again", ids, SamplingParams(max_tokens=4, **GREEDY))])
-        assert again.choices[0].token_ids == full_greedy(engine, new, ids, 4) != full_greedy(engine, old, ids, 4)
+        assert again.choices[0].token_ids == full_greedy(forward, new, ids, 4) != full_greedy(forward, old, ids, 4)
         with pytest.raises(EngineError, match="structure"):
             engine.update_weights({"not": jnp.zeros(2)})
     finally:
         engine.update_weights(old)
+
+
+def test_the_server_over_the_engine_answers_the_openai_client(engine, tiny):
+    """`axcore serve`'s app over the real engine: a completion and a streamed one, both transformers' greedy text."""
+    expected = engine.tokenizer.decode(hf_greedy(tiny[0], list(b"Hello"), 6))
+    with LiveServer(engine, TextFrontend(engine.tokenizer, None, vocab_size=VOCAB)) as live:
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        answer = client.completions.create(model=engine.name, prompt="Hello", max_tokens=6, temperature=0)
+        chunks = list(client.completions.create(model=engine.name, prompt="Hello", max_tokens=6, temperature=0,
+                                                stream=True))
+    assert (answer.choices[0].text, answer.choices[0].finish_reason) == (expected, "length")
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (5, 6)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    engine.close()
+    assert engine.stats().kv_blocks_used == 0
