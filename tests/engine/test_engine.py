@@ -8,6 +8,7 @@ module; counters are compared before and after each scenario.
 """
 
 import asyncio
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,9 @@ from live_server import LiveServer
 
 import axcore
 from axcore.engine import Engine, EngineConfig, EngineError
-from axcore.engine.requests import GenerationRequest, SamplingParams
+from axcore.engine.config import block_bytes, resolve
+from axcore.engine.requests import GenerationRequest, SamplingParams, SamplingParamsError
+from axcore.errors import ConfigError
 from axcore.serving import TextFrontend
 
 transformers = pytest.importorskip("transformers")
@@ -67,11 +70,11 @@ WIDTH = 64  # Sequences the full forward references pad to (causal: padding afte
 
 @pytest.fixture(scope="module")
 def forward(engine):
-    """`forward(params, ids)`: log_softmax of axcore's full forward over `ids` (no cache): [len(ids), vocab].
+    """`forward(params, ids)`: float32 logits of axcore's full forward over `ids` (no cache): [len(ids), vocab].
 
     One compiled program: `ids` are padded to WIDTH."""
-    jitted = jax.jit(lambda params, ids: jax.nn.log_softmax(axcore.functional(
-        engine.model, params, (ids,), None, False, method="logits")[0].astype(jnp.float32), axis=-1))
+    jitted = jax.jit(lambda params, ids: axcore.functional(engine.model, params, (ids,), None, False,
+                                                           method="logits")[0].astype(jnp.float32))
 
     def run(params, ids):
         padded = np.zeros((1, WIDTH), np.int32)
@@ -79,6 +82,12 @@ def forward(engine):
         return np.asarray(jitted(params, padded))[0, : len(ids)]
 
     return run
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """NumPy log_softmax over the last axis, in float64."""
+    x = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 def full_greedy(forward, params, ids, count: int) -> list[int]:
@@ -106,6 +115,7 @@ def run_until_done(engine, requests, steps_between=()):
     return [finals[r.request_id] for r in requests]
 
 
+@pytest.mark.slow  # Compiles the engine's programs (about 10-30 s on 2 loaded cores).
 def test_greedy_outputs_equal_transformers_generate(engine, tiny):
     """Mixed prompt lengths, requests joining mid-flight, a shared prefix found in the prefix cache, n = 3 at
     temperature 0, and preemptions on the small cache: every choice is transformers' greedy continuation."""
@@ -127,6 +137,7 @@ def test_greedy_outputs_equal_transformers_generate(engine, tiny):
     assert (after.kv_blocks_used, after.running, after.waiting) == (0, 0, 0)
 
 
+@pytest.mark.slow  # Compiles the engine's programs (about 10-30 s on 2 loaded cores).
 def test_logprobs_equal_the_full_forward(engine, forward):
     """Sampled tokens' log-probabilities, their top 5, and the prompt's, within 1e-4 of log_softmax of the
     full forward's logits over the prompt and the output."""
@@ -134,7 +145,7 @@ def test_logprobs_equal_the_full_forward(engine, forward):
     params = SamplingParams(max_tokens=5, logprobs=5, prompt_logprobs=2, **GREEDY)
     (out,) = engine.generate([GenerationRequest("lp", ids, params)])
     choice = out.choices[0]
-    reference = forward(engine.params, ids + choice.token_ids)
+    reference = log_softmax(forward(engine.params, ids + choice.token_ids))
     for j, token in enumerate(choice.token_ids):
         row = reference[len(ids) + j - 1]
         assert token == int(np.argmax(row))
@@ -216,3 +227,69 @@ def test_the_server_over_the_engine_answers_the_openai_client(engine, tiny):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     engine.close()
     assert engine.stats().kv_blocks_used == 0
+
+
+def test_stop_tokens_and_stop_strings_end_a_choice(engine, tiny):
+    ids = prompt(8, 6)
+    greedy = hf_greedy(tiny[0], ids, 10)
+    text = engine.tokenizer.decode(greedy)
+    stop = next(ch for ch in text[1:] if ch != "\ufffd")
+    requests = [GenerationRequest("stop-token", ids, SamplingParams(max_tokens=10, stop_token_ids=(greedy[3],),
+                                                                    **GREEDY)),
+                GenerationRequest("stop-string", ids, SamplingParams(max_tokens=10, stop=(stop,), **GREEDY))]
+    by_token, by_string = (out.choices[0] for out in engine.generate(requests))
+    first = greedy.index(greedy[3])  # The stop token's first occurrence ends the choice (it is kept, not decoded).
+    assert (by_token.token_ids, by_token.text, by_token.finish_reason) == (
+        greedy[: first + 1], engine.tokenizer.decode(greedy[:first]), "stop")
+    assert (by_string.text, by_string.finish_reason) == (text[: text.index(stop)], "stop")
+    assert by_string.token_ids == greedy[: len(by_string.token_ids)]
+    assert engine.tokenizer.decode(by_string.token_ids).startswith(by_string.text)
+    assert not engine.tokenizer.decode(by_string.token_ids[:-1]).count(stop)
+
+
+@pytest.mark.slow  # Compiles the engine's programs (about 10-30 s on 2 loaded cores).
+def test_penalties_follow_their_rules_on_the_full_forward(engine, forward):
+    """Greedy with repetition 0.3 (prompt and output tokens: l / 0.3 if l > 0 else l * 0.3: seen tokens favoured),
+    then frequency 1.5 per
+    earlier output occurrence and presence 0.5 per output token seen: the argmax of those on the full forward."""
+    ids = prompt(11, 5)
+    params = SamplingParams(max_tokens=8, repetition_penalty=0.3, frequency_penalty=1.5, presence_penalty=0.5,
+                            **GREEDY)
+    (out,) = engine.generate([GenerationRequest("penalised", ids, params)])
+    tokens = []
+    for _ in range(8):
+        logits = forward(engine.params, ids + tokens)[-1].astype(np.float64)
+        seen = np.isin(np.arange(VOCAB), ids + tokens)
+        logits = np.where(seen, np.where(logits > 0, logits / 0.3, logits * 0.3), logits)
+        counts = np.bincount(np.asarray(tokens, np.int64), minlength=VOCAB)
+        tokens.append(int(np.argmax(logits - 1.5 * counts - 0.5 * (counts > 0))))
+    assert out.choices[0].token_ids == tokens
+    assert tokens != full_greedy(forward, engine.params, ids, 8)  # The penalties changed something.
+
+
+@pytest.mark.parametrize("request_, field", [
+    (GenerationRequest("adapter", (1, 2), adapter="lora"), "model"),
+    (GenerationRequest("vocab", (1, VOCAB)), "prompt"),
+    (GenerationRequest("long", tuple(range(1, 40)), SamplingParams(max_tokens=10)), "max_tokens"),
+], ids=["adapter", "vocab", "too-long"])
+def test_requests_the_engine_cannot_serve_are_refused_naming_the_field(engine, request_, field):
+    with pytest.raises(SamplingParamsError) as error:
+        engine.add_request(request_)
+    assert error.value.field == field and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"max_seqs": 8, "batch_buckets": (4,)}, "batch_buckets"),
+    ({"max_tokens_per_step": 32}, "token_buckets"),
+    ({"num_blocks": None, "kv_cache_bytes": 100}, "kv_cache_bytes"),
+    ({"block_size": 0}, "block_size"),
+], ids=["batch", "tokens", "budget", "block-size"])
+def test_engine_settings_that_cannot_work_are_refused(engine, changes, field):
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        resolve(engine.model, dataclasses.replace(CONFIG, **changes))
+
+
+def test_a_kv_budget_sizes_the_cache_from_the_layers(engine):
+    """2 layers x (key + value) x 2 kv heads x head dim 8 x float32 = 256 bytes per token."""
+    assert block_bytes(engine.model, 4) == 2 * 2 * 2 * 8 * 4 * 4
+    assert resolve(engine.model, dataclasses.replace(CONFIG, num_blocks=None, kv_cache_bytes=10 * 1024)).num_blocks == 10
