@@ -39,12 +39,13 @@ class EngineConfig:
     max_tokens_per_step: int = 256
     # Known tokens per sequence (prompt plus generated); None = the model's position limit, else the whole cache.
     max_model_len: int | None = None
-    # Row counts a step is padded to; None = powers of two up to max_seqs (and max_seqs).
+    # Row counts a step is padded to; None = powers of four up to max_seqs (and max_seqs).
     batch_buckets: tuple[int, ...] | None = None
-    # Tokens per row a step is padded to; None = powers of two up to max_tokens_per_step (and it).
+    # Tokens per row a step is padded to; None = 1 (decode-only steps), then powers of four from 16 up to
+    # max_tokens_per_step (and it).
     token_buckets: tuple[int, ...] | None = None
     # Most compiled model programs; a step needing one more fails, naming this field.
-    max_programs: int = 64
+    max_programs: int = 256
     # Seeds the draws of requests that set no seed (with their arrival rank).
     seed: int = 0
 
@@ -62,9 +63,17 @@ class Resolved:
     token_buckets: tuple[int, ...]
 
 
-def _powers_up_to(limit: int) -> tuple[int, ...]:
-    """1, 2, 4, ... below `limit`, then `limit`."""
-    return tuple(sorted({1 << i for i in range(max(limit, 1).bit_length()) if 1 << i < limit} | {limit}))
+def _powers_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
+    """`start`, 4 * start, 16 * start, ... below `limit`, then `limit`.
+
+    >>> _powers_up_to(16), _powers_up_to(256, 16), _powers_up_to(100, 16)
+    ((1, 4, 16), (16, 64, 256), (16, 64, 100))
+    """
+    sizes, size = {limit}, start
+    while size < limit:
+        sizes.add(size)
+        size *= 4
+    return tuple(sorted(sizes))
 
 
 def block_bytes(model: Any, block_size: int) -> int:
@@ -92,7 +101,7 @@ def resolve(model: Any, config: EngineConfig) -> Resolved:
         raise ConfigError(f"engine 'max_model_len': {max_model_len} exceeds the model's {limit} positions; "
                           f"lower it to at most {limit}")
     batch = tuple(config.batch_buckets or _powers_up_to(config.max_seqs))
-    tokens = tuple(config.token_buckets or _powers_up_to(config.max_tokens_per_step))
+    tokens = tuple(config.token_buckets or sorted({1, *_powers_up_to(config.max_tokens_per_step, 16)}))
     if max(batch) < config.max_seqs:
         raise ConfigError(f"engine 'batch_buckets': the largest, {max(batch)}, is below max_seqs "
                           f"{config.max_seqs}; add a bucket of {config.max_seqs}")

@@ -135,9 +135,18 @@ class Engine:
             return bool(self._states)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[RequestOutput]:
-        """Runs `requests` (with any others live) until they all finish; their final outputs, in order."""
-        for request in requests:
-            self.add_request(request)
+        """Runs `requests` (with any others live) until they all finish; their final outputs, in order.
+
+        A request refused (`add_request`) refuses them all: none is left running."""
+        added = []
+        try:
+            for request in requests:
+                self.add_request(request)
+                added.append(request.request_id)
+        except Exception:
+            for rid in added:  # All or none: a refused request leaves no other running.
+                self.abort(rid)
+            raise
         states = [self._states[r.request_id] for r in requests]
         while not all(state.finished for state in states):
             self.step()

@@ -276,6 +276,9 @@ def test_requests_the_engine_cannot_serve_are_refused_naming_the_field(engine, r
     with pytest.raises(SamplingParamsError) as error:
         engine.add_request(request_)
     assert error.value.field == field and not engine.has_unfinished()
+    with pytest.raises(SamplingParamsError):  # generate takes all its requests or none.
+        engine.generate([GenerationRequest("fine", (1, 2), SamplingParams(**GREEDY)), request_])
+    assert not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("changes, field", [
