@@ -107,6 +107,16 @@ class ModelRunner:
         """The `(B, T, W, all_logits)` of each compiled program, in compile order."""
         return list(self._programs)
 
+    def temp_bytes(self) -> dict[tuple[int, int, int, bool], int]:
+        """Scratch bytes each compiled program needs besides its inputs and outputs (XLA's memory analysis;
+        the donated cache is updated in place, so this stays far below `cache_bytes`)."""
+        return {key: int(program.memory_analysis().temp_size_in_bytes) for key, program in self._programs.items()}
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the paged KV cache (every layer's keys and values)."""
+        return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(self.cache))
+
     def padded_shape(self, rows: int, tokens: int, width: int) -> tuple[int, int, int]:
         """`(B, T, W)`: the smallest batch, token and table-width buckets holding a step's sizes."""
         return (
@@ -184,6 +194,13 @@ class ModelRunner:
             raise ModelRunnerError("num_new", f"holds values outside 0..{t} (the tokens per row).")
         if tables.size and (tables.min() < 0 or tables.max() >= self.num_blocks):
             raise ModelRunnerError("block_tables", f"holds block ids outside 0..{self.num_blocks - 1}.")
+        row, col = np.nonzero(np.arange(t)[None, :] < num_new[:, None])  # The valid tokens.
+        index = positions[row, col] // self.block_size
+        if row.size and (positions.min() < 0 or index.max() >= tables.shape[1] or not tables[row, index].all()):
+            raise ModelRunnerError(
+                "block_tables", "a valid token's position has no block (negative, past the table, or block 0); "
+                "allocate the sequence's blocks before the step."
+            )
         return [a.astype(np.int32) for a in arrays]
 
     def _step(self, params, cache, tokens, positions, num_new, block_tables, *, all_logits: bool):

@@ -116,6 +116,22 @@ def paged_slots(positions: jax.Array, num_new: jax.Array, block_tables: jax.Arra
     return jnp.where(valid, block * block_size + offset, offset).astype(jnp.int32)
 
 
+def write_paged(blocks: jax.Array, slots: jax.Array, update: jax.Array) -> jax.Array:
+    """blocks `[num_blocks, block_size, kv, h]` with update `[b, t, kv, h]` (cast to their dtype) written at
+    the flat slots `[b, t]` (`paged_slots`); under donation, in place.
+
+    A single slot would make XLA turn the scatter into a dynamic-update-slice, which it may duplicate for
+    its readers, copying the whole cache; a second write (the same values into slot 0 of the null block)
+    keeps it a scatter.
+    """
+    slots = slots.reshape(-1)
+    update = update.reshape(-1, *update.shape[2:]).astype(blocks.dtype)
+    if slots.shape[0] == 1:
+        slots, update = jnp.concatenate([slots, jnp.zeros((1,), slots.dtype)]), jnp.concatenate([update, update])
+    flat = blocks.reshape(-1, *blocks.shape[2:])
+    return flat.at[slots].set(update).reshape(blocks.shape)
+
+
 def paged_mask(problem: PagedAttentionProblem, positions: jax.Array) -> jax.Array:
     """`[batch, 1, q_len, max_blocks * block_size]` bool: the gathered slots each new token may attend."""
     slots = jnp.arange(problem.max_blocks * problem.block_size)[None, None, :]

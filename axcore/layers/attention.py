@@ -47,7 +47,7 @@ from axcore.config import REQUIRED, InstantiableConfig, Length, Positive, Probab
 from axcore.errors import ConfigError
 from axcore.kernels.attention import ATTENTION, ZIGZAG_EXTRA, AttentionProblem
 from axcore.kernels.attention_context import current_zigzag_shards
-from axcore.kernels.paged_attention import PAGED_ATTENTION, PagedAttentionProblem, paged_slots
+from axcore.kernels.paged_attention import PAGED_ATTENTION, PagedAttentionProblem, paged_slots, write_paged
 from axcore.kernels.registry import current_environment
 from axcore.layers.base import BaseLayer, DotSite, with_fields
 from axcore.layers.position import PositionEmbedding
@@ -274,7 +274,14 @@ class MultiheadAttention(BaseLayer):
         return {"key": jnp.zeros(shape, self.compute_dtype), "value": jnp.zeros(shape, self.compute_dtype)}
 
     def extend_paged(
-        self, x: jax.Array, cache: dict, *, positions: jax.Array, num_new: jax.Array, block_tables: jax.Array
+        self,
+        x: jax.Array,
+        cache: dict,
+        *,
+        positions: jax.Array,
+        num_new: jax.Array,
+        block_tables: jax.Array,
+        layer_index: jax.Array | None = None,
     ) -> tuple[jax.Array, dict]:
         """`extend` over a paged cache: each row's new tokens write their keys and values into their
         sequence's blocks, then attend to everything of their sequence at positions up to their own.
@@ -290,6 +297,10 @@ class MultiheadAttention(BaseLayer):
             block_tables: `[batch, max_blocks]` int block ids of each row's sequence (padded with 0);
                 position p lives in block `block_tables[b, p // block_size]` at offset `p % block_size`.
                 Padding tokens write into the null block 0.
+            layer_index: in a scanned stack (`RepeatedTransformer`), the cache's leaves are the whole
+                stack's, `[repeats, num_blocks, ...]`, and this traced int picks this layer's: the leaves
+                are read as `repeats * num_blocks` blocks and the tables shifted by `layer_index * num_blocks`
+                (a reshape, so the stacked cache is updated in place, never sliced out and copied).
 
         Returns:
             `([batch, t, input_dim], cache)`; outputs of padding tokens are finite garbage.
@@ -297,17 +308,14 @@ class MultiheadAttention(BaseLayer):
         q, k, v = self.project_qkv(x)
         q, k = self.normalize_qk(q, k)
         q, k = self.position_embed(q, k, positions)
-        num_blocks, block_size = cache["key"].shape[:2]
-        slots = paged_slots(positions, num_new, block_tables, block_size).reshape(-1)
-
-        def write(blocks: jax.Array, update: jax.Array) -> jax.Array:
-            flat = blocks.reshape(num_blocks * block_size, *blocks.shape[2:])
-            flat = flat.at[slots].set(update.reshape(-1, *update.shape[2:]).astype(blocks.dtype))
-            return flat.reshape(blocks.shape)
-
-        new = {"key": write(cache["key"], k), "value": write(cache["value"], v)}
+        stacked = cache["key"].shape
+        if layer_index is not None:  # The stack's blocks as one array; this layer's are at layer_index * blocks.
+            block_tables = block_tables + layer_index * stacked[1]
+            cache = {name: a.reshape(-1, *a.shape[2:]) for name, a in cache.items()}
+        slots = paged_slots(positions, num_new, block_tables, cache["key"].shape[1])
+        new = {"key": write_paged(cache["key"], slots, k), "value": write_paged(cache["value"], slots, v)}
         out = self.attend_paged(q, new, positions=positions, num_new=num_new, block_tables=block_tables)
-        return self.project_output(out), new
+        return self.project_output(out), {name: a.reshape(stacked) for name, a in new.items()}
 
     def attend_paged(
         self, q: jax.Array, cache: dict, *, positions: jax.Array, num_new: jax.Array, block_tables: jax.Array
@@ -377,15 +385,15 @@ class MultiheadAttention(BaseLayer):
     def _position_bias(self) -> tuple[tuple[float, ...] | None, Any]:
         """`(bias_slopes, bias_fn)` of the position embedding for the attention ops (ALiBi slopes, or an
         overridden `attention_bias`); `(None, None)` without a position bias."""
-        if "position_embedding" not in self.children:
-            return None, None
-        embedding = self.position_embedding
-        found = embedding.bias_slopes()
-        if found is not None:
-            return tuple(float(s) for s in found), None
-        if type(embedding).attention_bias is not PositionEmbedding.attention_bias:
-            return None, embedding.attention_bias
-        return None, None
+        slopes, bias_fn = None, None
+        if "position_embedding" in self.children:
+            embedding = self.position_embedding
+            found = embedding.bias_slopes()
+            if found is not None:
+                slopes = tuple(float(s) for s in found)
+            elif type(embedding).attention_bias is not PositionEmbedding.attention_bias:
+                bias_fn = embedding.attention_bias
+        return slopes, bias_fn
 
     def attend(
         self, q, k, v, *, positions=None, kv_mask=None, segment_ids=None, kv_positions=None, masked_by_positions=False

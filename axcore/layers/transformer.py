@@ -166,10 +166,11 @@ class TransformerLayer(BaseLayer):
         return attention.init_paged_cache(num_blocks, block_size)
 
     def extend_paged(
-        self, x: jax.Array, cache: dict, *, positions: jax.Array, num_new: jax.Array, block_tables: jax.Array
+        self, x: jax.Array, cache: dict, *, positions: jax.Array, layer_index: jax.Array | None = None, **paged
     ) -> tuple[jax.Array, dict]:
-        """`extend` over a paged KV cache (`MultiheadAttention.extend_paged`): x `[b, t, dim]` -> `(same, cache)`."""
-        return self._decode(x, cache, positions, {"num_new": num_new, "block_tables": block_tables})
+        """`extend` over a paged KV cache (`MultiheadAttention.extend_paged`; `paged`: num_new, block_tables):
+        x `[b, t, dim]` -> `(same shape, cache)`."""
+        return self._decode(x, cache, positions, {**paged, "layer_index": layer_index})
 
     def _decode(self, x: jax.Array, cache: dict, positions: jax.Array, paged: dict | None) -> tuple[jax.Array, dict]:
         """This layer's `forward` with the self-attention on `cache` (paged when `paged` is given)."""
@@ -470,17 +471,20 @@ class RepeatedTransformer(BaseLayer):
         return {"layer": jax.tree.map(lambda a: jnp.zeros((self.repeats, *a.shape), a.dtype), unit)}
 
     def extend_paged(self, x: jax.Array, cache: dict, **paged: jax.Array) -> tuple[jax.Array, dict]:
-        """The unit's `extend_paged` under `lax.scan` over (parameters, cache) (`paged`: positions, num_new,
-        block_tables): x `[b, t, dim]` -> `(same shape, cache)`."""
+        """The unit's `extend_paged` under `lax.scan` over the parameters (`paged`: positions, num_new,
+        block_tables): x `[b, t, dim]` -> `(same shape, cache)`. The whole stacked cache is the loop's carry,
+        each repeat reading and writing its own blocks (`layer_index`), so it is updated in place."""
+        if paged.get("layer_index") is not None:
+            raise ConfigError(f"{self.path}: a scanned stack inside a scanned stack cannot decode on a paged cache.")
         ctx = self._context()
 
         def body(carry, xs):
-            layer_params, layer_cache = xs
-            (out, new_cache), _ = functional(
-                self.layer, layer_params, {"x": carry, "cache": layer_cache, **paged}, None,
-                ctx.is_training, method="extend_paged",
-            )
-            return out, new_cache
+            h, stacked = carry
+            layer_params, index = xs
+            inputs = {"x": h, "cache": stacked, **paged, "layer_index": index}
+            (out, stacked), _ = functional(self.layer, layer_params, inputs, None, ctx.is_training, method="extend_paged")
+            return (out, stacked), None
 
-        x, new = jax.lax.scan(body, x, (ctx.state.get("layer", {}), cache["layer"]), length=self.repeats)
+        layers = (ctx.state.get("layer", {}), jnp.arange(self.repeats))
+        (x, new), _ = jax.lax.scan(body, (x, cache["layer"]), layers, length=self.repeats)
         return x, {"layer": new}

@@ -121,6 +121,7 @@ def test_bad_settings_name_their_field(llama, changes, field):
         (1, 5, 1, 1, "token_buckets"),
         (1, 1, 2, 1, "num_new"),  # More valid tokens than the row holds.
         (1, 1, 1, 16, "block_tables"),  # No block 16 in a cache of 16.
+        (1, 1, 1, 0, "block_tables"),  # A valid token in the null block.
     ],
 )
 def test_bad_steps_name_their_array(llama, rows, t, num_new, table, field):
@@ -130,3 +131,27 @@ def test_bad_steps_name_their_array(llama, rows, t, num_new, table, field):
         runner.step(params, np.ones((rows, t), np.int32), np.zeros((rows, t), np.int32),
                     np.full(rows, num_new, np.int32), np.full((rows, 1), table, np.int32))
     assert runner.num_programs == 0
+
+
+def test_a_token_past_its_block_table_is_refused(llama):
+    model, params, _, _ = llama
+    runner = runner_of(model)
+    with pytest.raises(ModelRunnerError, match="^'block_tables': a valid token's position has no block"):
+        runner.step(params, np.ones((1, 1), np.int32), np.full((1, 1), BLOCK, np.int32), np.ones(1, np.int32),
+                    np.ones((1, 1), np.int32))  # Position 4 is in the table's second block; it lists one.
+
+
+@pytest.mark.parametrize("source", ["default", "scan"])
+def test_steps_update_the_cache_in_place(source):
+    """Unrolled and scanned stacks, one token or a chunk: no program needs scratch memory for a copy of the
+    cache (a one-slot write or a scanned stack's per-layer slices used to copy all of it, every step)."""
+    exp = load_tiny_experiment(("rope", "swiglu"), ("model.compute_dtype=float32",), source=source)
+    model = exp.config.model.instantiate(name="model", registries=exp.registries)
+    params = model.initialize(jax.random.key(1))
+    runner = ModelRunner(model, num_blocks=1024, block_size=16, batch_buckets=[1, 2], token_buckets=[1, 4],
+                         max_programs=2)
+    for rows, t in ((1, 1), (2, 4)):
+        runner.step(params, np.ones((rows, t), np.int32), np.zeros((rows, t), np.int32), np.ones(rows, np.int32),
+                    np.ones((rows, 1), np.int32))
+    scratch = runner.temp_bytes()
+    assert len(scratch) == 2 and max(scratch.values()) < runner.cache_bytes / 8, (scratch, runner.cache_bytes)
