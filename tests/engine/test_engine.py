@@ -189,6 +189,23 @@ def test_closing_a_stream_early_aborts_its_request(engine):
     engine.close()  # The stream's background thread stops: the tests after this one step by hand.
 
 
+def test_a_failing_step_reaches_the_stream_and_frees_its_request(engine, monkeypatch):
+    """The background thread hands a step's error to every live stream (which raises it) and ends its requests."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "step", broken)
+
+    async def consume():
+        return [out async for out in engine.stream(GenerationRequest("doomed", prompt(12, 5), SamplingParams()))]
+
+    with pytest.raises(RuntimeError, match="device lost"):
+        asyncio.run(consume())
+    engine.close()
+    assert not engine.has_unfinished() and engine.stats().kv_blocks_used == 0
+
+
 def test_update_weights_mid_run_recomputes_on_the_new_parameters(engine, forward):
     old = engine.params
     new = jax.tree.map(lambda x: jax.device_put(jnp.flip(x, 0), x.sharding), old)
