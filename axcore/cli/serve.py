@@ -15,7 +15,6 @@ import argparse
 import os
 
 from axcore.cli.common import one_run
-from axcore.errors import AxcoreError
 
 # Where the API key comes from when --api-key is not given (a key on the command line shows in `ps`).
 API_KEY_ENV = "AXCORE_API_KEY"
@@ -66,21 +65,11 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def build_engine(path: str, args: argparse.Namespace):
-    """The inference engine (an `axcore.engine.requests.EngineClient`) serving the run or HF directory `path`.
+    """The inference engine (`axcore.engine.Engine`, an `EngineClient`) serving the run directory `path`:
+    its parameters (the step `--step`, else the latest committed), its tokenizer, default `EngineConfig`."""
+    from axcore.engine import Engine
 
-    Raises:
-        AxcoreError: "the inference engine is not available yet" while `axcore.engine` has no `Engine`.
-    """
-    import axcore.engine
-
-    engine = getattr(axcore.engine, "Engine", None)
-    if engine is None:
-        raise AxcoreError(
-            f"axcore serve {path}: the inference engine is not available yet (axcore.engine has no Engine); "
-            f"the HTTP server is ready, but nothing can generate for it in this version."
-        )
-    # Assumed constructor of the engine being written beside this command; align at merge.
-    return engine.from_run(path, step=args.step, overrides=args.overrides, objects=args.objects,
+    return Engine.from_run(path, step=args.step, overrides=args.overrides, objects=args.objects,
                            name=args.served_model_name)
 
 

@@ -4,5 +4,24 @@ Requests (`requests`: `SamplingParams`, `GenerationRequest`, `RequestOutput`) jo
 leave a running batch between decode steps; the scheduler chooses each step's chunks
 and owns the KV block allocator; one compiled model call per step runs the same layers
 and kernels as training, on the caller's parameters. Only `cli/` and `serving/` import
-this package from above; it imports layers, kernels and placement from below.
+this package from above; it imports inference (run loading, for `Engine.from_run`),
+layers, kernels and placement from below.
+
+    from axcore.engine import Engine, EngineConfig
+
+The names below are re-exported lazily, so importing this package (e.g. for `requests`'
+plain data) does not import JAX.
 """
+
+from __future__ import annotations
+
+from axcore._lazy import lazy_exports
+
+_EXPORTS = {
+    "axcore.engine.config": ["EngineConfig", "EngineError"],
+    "axcore.engine.engine": ["Engine"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+__getattr__, __dir__ = lazy_exports(globals(), _WHERE)

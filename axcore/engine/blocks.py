@@ -155,6 +155,15 @@ class BlockAllocator:
             blocks.append(block)
         return blocks
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every registered prefix (the cache's contents are stale, e.g. new weights); needs no block used."""
+        if self._used:
+            raise RuntimeError(f"the prefix cache cleared while {self._used} KV blocks are in use")
+        self._plain.extend(self._evictable)
+        self._evictable.clear()
+        self._key_of.clear()
+        self._block_of.clear()
+
     def _check(self, block: int) -> None:
         if isinstance(block, bool) or not isinstance(block, int) or not NULL_BLOCK < block < self.num_blocks:
             raise RuntimeError(f"no KV block {block!r} (ids 1..{self.num_blocks - 1}; 0 is the null block)")

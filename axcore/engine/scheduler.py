@@ -152,6 +152,19 @@ class Scheduler:
             prefix_cache_hits=self.allocator.hits, prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens, preemptions=self._preemptions)
 
+    def reset_cache(self) -> None:
+        """The KV cache's contents are stale (new weights): preempt every running sequence and drop the prefix cache.
+
+        The preempted sequences keep their tokens and recompute them when readmitted (counted as
+        preemptions); a plan in flight is then ignored by `finish_step` (its sequences no longer run).
+        """
+        for seq in list(self._running):
+            self._release_blocks(seq)
+            self._running.remove(seq)
+            self._enqueue(seq)
+            self._preemptions += 1
+        self.allocator.clear_prefix_cache()
+
     # ---- one step ----
 
     def schedule(self) -> StepPlan:

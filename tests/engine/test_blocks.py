@@ -114,3 +114,17 @@ def test_match_prefix_counts_every_key_and_takes_only_the_leading_hits():
     assert (alloc.queries, alloc.hits) == (4, 2)
     # The adapter and the parent are part of the key.
     assert prefix_hash(None, [3, 1], "lora") != keys[0] and prefix_hash(keys[1], [3, 1], None) != keys[0]
+
+
+def test_clearing_the_prefix_cache_forgets_every_key_and_keeps_the_free_count():
+    alloc = BlockAllocator(4, 2)
+    key = prefix_hash(None, [1, 2], None)
+    block = alloc.allocate()
+    alloc.register(block, key)
+    with pytest.raises(RuntimeError, match="in use"):
+        alloc.clear_prefix_cache()
+    alloc.free(block)
+    assert alloc.cached(key) == block
+    alloc.clear_prefix_cache()
+    assert (alloc.cached(key), alloc.num_cached, alloc.num_free) == (None, 0, 3)
+    assert sorted(alloc.allocate() for _ in range(3)) == [1, 2, 3]

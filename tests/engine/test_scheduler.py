@@ -221,3 +221,28 @@ def test_limits_no_sequence_could_live_with_are_refused(limits, field):
     with pytest.raises(ConfigError, match=f"'{field}'") as caught:
         Scheduler(BlockAllocator(5, 4), **limits)
     assert isinstance(caught.value, AxcoreError)
+
+
+def test_reset_cache_recomputes_every_running_sequence_and_forgets_the_prefix_cache():
+    """New weights: running sequences lose their blocks (kept tokens, fed again from position 0) and no block
+    registered before is found again; the streams still equal each prompt decoded alone."""
+    d = driver(budget=16, max_seqs=2)
+    prompts = {"a": list(range(1, 10)), "b": list(range(20, 26))}
+    for rid, prompt in prompts.items():
+        d.add(request(rid, prompt, max_tokens=4))
+    d.step()
+    d.step()
+    known = {seq: list(tokens) for seq, tokens in d.known.items() if seq in d.live}
+    assert d.sched.allocator.num_cached > 0
+    d.sched.reset_cache()
+    d.next_pos.update(dict.fromkeys(known))  # The driver's bookkeeping: they restart.
+    stats = d.sched.stats()
+    assert (stats.running, stats.waiting, stats.kv_blocks_used, stats.preemptions) == (0, 2, 0, 2)
+    assert d.sched.allocator.num_cached == 0
+    plan = d.plan()
+    assert {r.seq_id for r in plan.rows} == set(known)  # Both fed again from position 0 (the budget chunks b).
+    assert all(r.start == 0 and r.tokens == known[r.seq_id][: len(r.tokens)] for r in plan.rows)
+    d.run(plan)
+    d.drain()
+    for rid, prompt in prompts.items():
+        assert d.outputs[rid, 0] == reference(prompt, SamplingParams(max_tokens=4), 32)[0]

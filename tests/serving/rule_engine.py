@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-import socket
 import threading
-import time
+
+import live_server
 
 from axcore.data.tokenizer import ByteTokenizer
 from axcore.engine.requests import Choice, EngineStats, GenerationRequest, RequestOutput
-from axcore.serving import ServerSettings, TextFrontend, create_app, make_server
+from axcore.serving import ServerSettings, TextFrontend
 
 VOCAB = 128
 BASE, ADAPTER = "tiny", "tiny-lora"
@@ -150,29 +150,8 @@ def expected(prompt: str, max_tokens: int, index: int = 0, adapter: str | None =
     return "".join(out), "length"
 
 
-class LiveServer:
-    """The app over `engine` under uvicorn on 127.0.0.1 (a free port) in a thread; a context manager."""
+class LiveServer(live_server.LiveServer):
+    """The app over `engine` (a byte-level frontend of VOCAB ids) under uvicorn on 127.0.0.1 in a thread."""
 
     def __init__(self, engine, settings: ServerSettings | None = None, chat_template=None):
-        self.engine = engine
-        frontend = TextFrontend(ByteTokenizer(), chat_template, vocab_size=VOCAB)
-        self.app = create_app(engine, frontend, settings or ServerSettings())
-        self.server = make_server(self.app, log_level="warning")
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind(("127.0.0.1", 0))
-        self.port = self.socket.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        while not self.server.started:
-            assert self.thread.is_alive(), "the server thread died"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.socket.close()
+        super().__init__(engine, TextFrontend(ByteTokenizer(), chat_template, vocab_size=VOCAB), settings)

@@ -15,7 +15,7 @@ HERE = pathlib.Path(__file__).parent
 # The server in a process of its own (uvicorn installs its signal handlers in the main thread only).
 SERVER = f"""
 import socket, sys
-sys.path.insert(0, {str(HERE)!r})
+sys.path[:0] = [{str(HERE)!r}, {str(HERE.parent / 'helpers')!r}]
 from rule_engine import RuleEngine, VOCAB
 from axcore.data.tokenizer import ByteTokenizer
 from axcore.serving import TextFrontend, create_app, make_server

@@ -1,0 +1,99 @@
+"""One step's plan as arrays: the model call's inputs and the sampler's (host side, NumPy).
+
+`pack_rows` lays a `StepPlan`'s rows out in the SHARED INTERFACE of `axcore.engine`
+(`tokens`, `positions`, `num_new`, `block_tables`, unpadded: the `ModelRunner` pads to its
+buckets). `prompt_targets` says, for rows that compute a prompt whose log-probabilities
+were asked, which token each position's logits predict. `sampling_rows` and `history`
+give `axcore.engine.sampling` its per-row parameters and, when some row has a penalty,
+each row's tokens so far.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from axcore.engine.sampling import SamplingRow
+from axcore.engine.sequence import Row, Sequence
+
+
+def pack_rows(rows: Seq[Row]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`(tokens [b, t], positions [b, t], num_new [b], block_tables [b, w])` int32 of `rows`.
+
+    t is the longest chunk, w the longest block table; chunks are left-aligned and padded
+    with token 0 at position 0, tables padded with the null block 0.
+    """
+    b = len(rows)
+    t = max(len(row.tokens) for row in rows)
+    w = max(len(row.block_table) for row in rows)
+    tokens, positions = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+    num_new, tables = np.zeros(b, np.int32), np.zeros((b, w), np.int32)
+    for i, row in enumerate(rows):
+        count = len(row.tokens)
+        tokens[i, :count] = row.tokens
+        positions[i, :count] = np.arange(row.start, row.start + count)
+        num_new[i] = count
+        tables[i, : len(row.block_table)] = row.block_table
+    return tokens, positions, num_new, tables
+
+
+def needs_prompt_logprobs(row: Row, seq: Sequence) -> bool:
+    """Whether `row` computes prompt tokens whose log-probabilities its request asked for.
+
+    Only a request's first choice computes them, the first time through its prompt (a
+    recomputation after preemption computes the same numbers again, harmlessly).
+    """
+    return (seq.request.params.prompt_logprobs is not None and seq.choice_index == 0 and not seq.prompt_done
+            and row.start < seq.num_prompt - 1)
+
+
+def prompt_targets(rows: Seq[Row], seqs: Seq[Sequence], width: int) -> tuple[np.ndarray, list[list[int]]]:
+    """The token each fed position's logits predict, for rows that need prompt log-probabilities.
+
+    Returns `(targets [b, width] int32, positions)`: `positions[i]` lists the prompt
+    positions p + 1 (p fed in row i at column p - start) whose log-probabilities row i
+    gives; rows that need none have an empty list (and targets 0).
+    """
+    targets = np.zeros((len(rows), width), np.int32)
+    wanted: list[list[int]] = []
+    for i, (row, seq) in enumerate(zip(rows, seqs)):
+        wanted.append([])
+        if not needs_prompt_logprobs(row, seq):
+            continue
+        for j in range(len(row.tokens)):
+            nxt = row.start + j + 1
+            if nxt < seq.num_prompt:
+                targets[i, j] = seq.token_ids[nxt]
+                wanted[-1].append(nxt)
+    return targets, wanted
+
+
+def sampling_rows(rows: Seq[Row], seqs: Seq[Sequence], indices: Seq[int]) -> list[SamplingRow | None]:
+    """Per row, what the sampler needs (None: a row that samples nothing, a prompt chunk not at its end).
+
+    `indices[i]` is row i's request's arrival rank in the engine.
+    """
+    return [SamplingRow(seq.request.params, index, seq.choice_index, seq.num_generated) if row.sample else None
+            for row, seq, index in zip(rows, seqs, indices)]
+
+
+def has_penalty(seqs: Seq[Sequence]) -> bool:
+    """Whether some sequence's request sets a repetition, presence or frequency penalty."""
+    return any(p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+               for p in (seq.request.params for seq in seqs))
+
+
+def history(seqs: Seq[Sequence], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(history [size, L], prompt_lens [size])`: each sequence's prompt and output ids, -1 padded.
+
+    L is the longest sequence rounded up to a power of two (few compiled sampler shapes);
+    rows past `len(seqs)` are empty.
+    """
+    longest = max(len(seq.token_ids) for seq in seqs)
+    width = 1 << max(longest - 1, 0).bit_length()
+    ids, lens = np.full((size, width), -1, np.int32), np.zeros(size, np.int32)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq.token_ids)] = seq.token_ids
+        lens[i] = seq.num_prompt
+    return ids, lens

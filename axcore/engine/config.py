@@ -1,0 +1,111 @@
+"""The engine's settings (`EngineConfig`) and what they resolve to for one model (`resolve`).
+
+Sizing the KV cache: `num_blocks` blocks of `block_size` tokens per attention layer, or
+(`num_blocks=None`) as many blocks as `kv_cache_bytes` holds over all layers. Buckets:
+a step's rows are padded to the smallest batch bucket holding them and its longest chunk
+to the smallest token bucket, so the compiled programs are at most
+`len(batch_buckets) * len(token_buckets) * (table widths) * 2` (the runner counts them and
+refuses one past `max_programs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+
+from axcore.errors import AxcoreError, ConfigError
+
+
+class EngineError(AxcoreError):
+    """An engine call cannot be honoured (e.g. `update_weights` with another parameter tree); says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine sizes its cache, batches its steps and bounds its compilation."""
+
+    # Tokens per KV block (the prefix cache shares whole blocks).
+    block_size: int = 16
+    # KV blocks in the cache, the null block 0 included; None = as many as `kv_cache_bytes` holds.
+    num_blocks: int | None = None
+    # Bytes of KV cache over all attention layers, used when `num_blocks` is None.
+    kv_cache_bytes: int = 1 << 30
+    # Sequences running at once (rows of a step), at most.
+    max_seqs: int = 16
+    # Tokens fed per step, all rows together (decodes plus prefill chunks).
+    max_tokens_per_step: int = 256
+    # Known tokens per sequence (prompt plus generated); None = the model's position limit, else the whole cache.
+    max_model_len: int | None = None
+    # Row counts a step is padded to; None = powers of four up to max_seqs (and max_seqs).
+    batch_buckets: tuple[int, ...] | None = None
+    # Tokens per row a step is padded to; None = 1 (decode-only steps), then powers of four from 16 up to
+    # max_tokens_per_step (and it).
+    token_buckets: tuple[int, ...] | None = None
+    # Most compiled model programs; a step needing one more fails, naming this field.
+    max_programs: int = 256
+    # Seeds the draws of requests that set no seed (with their arrival rank).
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """`EngineConfig`'s None fields filled in for one model."""
+
+    # KV blocks, the null block included.
+    num_blocks: int
+    # Known tokens per sequence at most.
+    max_model_len: int
+    # Batch and token buckets, ascending.
+    batch_buckets: tuple[int, ...]
+    token_buckets: tuple[int, ...]
+
+
+def _powers_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
+    """`start`, 4 * start, 16 * start, ... below `limit`, then `limit`.
+
+    >>> _powers_up_to(16), _powers_up_to(256, 16), _powers_up_to(100, 16)
+    ((1, 4, 16), (16, 64, 256), (16, 64, 100))
+    """
+    sizes, size = {limit}, start
+    while size < limit:
+        sizes.add(size)
+        size *= 4
+    return tuple(sorted(sizes))
+
+
+def block_bytes(model: Any, block_size: int) -> int:
+    """Bytes one KV block takes over all of `model`'s attention layers (from the cache's abstract shapes)."""
+    two = jax.eval_shape(lambda: model.init_paged_cache(2, block_size))
+    return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(two)) // 2
+
+
+def resolve(model: Any, config: EngineConfig) -> Resolved:
+    """The settings in effect for `model`; ConfigError naming the field of a setting that cannot work."""
+    for field in ("block_size", "max_seqs", "max_tokens_per_step", "max_programs"):
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"engine '{field}': must be a positive integer, got {value!r}")
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        num_blocks = config.kv_cache_bytes // block_bytes(model, config.block_size)
+        if num_blocks < 2:
+            raise ConfigError(f"engine 'kv_cache_bytes': {config.kv_cache_bytes} bytes hold {num_blocks} KV blocks "
+                              f"of {config.block_size} tokens; give at least two blocks' worth")
+    limit = model.max_cache_len()
+    cache_len = (num_blocks - 1) * config.block_size
+    max_model_len = config.max_model_len or (cache_len if limit is None else min(limit, cache_len))
+    if limit is not None and max_model_len > limit:
+        raise ConfigError(f"engine 'max_model_len': {max_model_len} exceeds the model's {limit} positions; "
+                          f"lower it to at most {limit}")
+    batch = tuple(config.batch_buckets or _powers_up_to(config.max_seqs))
+    tokens = tuple(config.token_buckets or sorted({1, *_powers_up_to(config.max_tokens_per_step, 16)}))
+    if max(batch) < config.max_seqs:
+        raise ConfigError(f"engine 'batch_buckets': the largest, {max(batch)}, is below max_seqs "
+                          f"{config.max_seqs}; add a bucket of {config.max_seqs}")
+    if max(tokens) < min(config.max_tokens_per_step, max_model_len):
+        raise ConfigError(f"engine 'token_buckets': the largest, {max(tokens)}, is below max_tokens_per_step "
+                          f"{config.max_tokens_per_step} (a prefill chunk can be that long); add that bucket")
+    return Resolved(num_blocks, max_model_len, tuple(sorted(batch)), tuple(sorted(tokens)))

@@ -1,0 +1,287 @@
+"""`Engine`: continuous batching over a paged KV cache, the scheduler, model runner and sampler joined.
+
+    engine = Engine(model, params, tokenizer, config=EngineConfig(num_blocks=512, max_seqs=16))
+    outputs = engine.generate([GenerationRequest("a", prompt_ids, SamplingParams(max_tokens=32))])
+    async for output in engine.stream(request): ...     # the EngineClient protocol (axcore serve)
+
+One `step()` is: the scheduler plans the rows (`Scheduler.schedule`); they are packed
+into the runner's arrays (`axcore.engine.batch`); ONE model call (`ModelRunner.step`, all
+tokens' logits only when a row computes prompt log-probabilities); the sampler draws a
+token for every row that ends at its sequence's last known token (`sampling.sample`,
+each row with its own parameters and key); the scheduler records the step
+(`finish_step`: blocks registered, sequences ended on stop tokens and lengths); each
+request's outputs are updated (`RequestState`: text, stop strings, log-probabilities).
+
+Threads: `step` may run in a background thread (`stream` starts one, `EngineDriver`)
+while `add_request`, `abort` and `update_weights` come from others. One lock guards the
+scheduler and the requests' states; it is released during the model call and the draw,
+so an abort waits for at most the bookkeeping of a step (the scheduler drops rows of
+sequences ended while their step was in flight). Steps themselves run one at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from axcore.data.tokenizer import Tokenizer
+from axcore.engine import batch as packing
+from axcore.engine.blocks import BlockAllocator
+from axcore.engine.config import EngineConfig, EngineError, resolve
+from axcore.engine.driver import EngineDriver, stream_outputs
+from axcore.engine.model_runner import ModelRunner
+from axcore.engine.outputs import RequestState
+from axcore.engine.requests import EngineStats, GenerationRequest, RequestOutput, SamplingParamsError
+from axcore.engine.sampling import SamplingBatch, prompt_logprobs, sample
+from axcore.engine.scheduler import Scheduler
+from axcore.engine.sequence import StepPlan
+
+
+class Engine:
+    """An inference engine over one model and its parameters (module docstring).
+
+    Args:
+        model: a causal LM with `init_paged_cache` / `extend_paged` (`axcore.layers.CausalLM`).
+        params: its parameter tree (used in place, never copied).
+        tokenizer: decodes the outputs' text (None: outputs carry token ids only, stop strings refused).
+        config: cache, batching and compilation settings (None: `EngineConfig()`).
+        eos_token_ids: tokens that end a choice unless its request sets `ignore_eos`.
+        name: the base model's name (`model_names()`).
+    """
+
+    def __init__(self, model: Any, params: Any, tokenizer: Tokenizer | None = None, *,
+                 config: EngineConfig | None = None, eos_token_ids: Sequence[int] = (), name: str = "model"):
+        self.model, self.params, self.tokenizer, self.name = model, params, tokenizer, name
+        self.config = config = config or EngineConfig()
+        # Token ids a prompt may hold: 0..vocab_size-1.
+        self.vocab_size = int(model.config.vocab_size)
+        # The settings in effect (None fields of `config` filled in): num_blocks, max_model_len, buckets.
+        self.settings = resolve(model, config)
+        s = self.settings
+        self.runner = ModelRunner(model, num_blocks=s.num_blocks, block_size=config.block_size,
+                                  batch_buckets=s.batch_buckets, token_buckets=s.token_buckets,
+                                  max_programs=config.max_programs)
+        self.scheduler = Scheduler(BlockAllocator(s.num_blocks, config.block_size), max_seqs=config.max_seqs,
+                                   max_tokens_per_step=config.max_tokens_per_step, max_model_len=s.max_model_len,
+                                   eos_token_ids=tuple(eos_token_ids))
+        self._states: dict[str, RequestState] = {}
+        self._arrivals = itertools.count()
+        self._lock = threading.RLock()
+        self._step_lock = threading.Lock()
+        self._sample = jax.jit(sample)
+        self._prompt_logprobs = jax.jit(prompt_logprobs)
+        self.driver = EngineDriver(self)
+
+    @classmethod
+    def from_run(cls, path: str, *, step: int | None = None, overrides: Sequence[str] = (), name: str | None = None,
+                 config: EngineConfig | None = None, objects: dict[str, Any] | None = None) -> Engine:
+        """An engine serving the model of the run directory `path` (`axcore.inference.load_model`: its
+        parameters only, never an optimizer state) with the run's tokenizer and its end-of-sequence token.
+
+        `name` defaults to the run directory's name; `objects` are plugin objects by name (tests).
+        """
+        from axcore.inference.run_loading import load_model
+
+        loaded = load_model(path, step=step, overrides=overrides, objects=objects)
+        tokenizer = loaded.experiment.config.tokenizer.instantiate()
+        eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+        return cls(loaded.model, loaded.params, tokenizer, config=config or EngineConfig(), eos_token_ids=eos,
+                   name=name or loaded.source.name)
+
+    # ---- requests ----
+
+    def add_request(self, request: GenerationRequest,
+                    sink: Callable[[RequestOutput | BaseException], None] | None = None) -> None:
+        """Queues `request`; the next steps run it. `sink` receives each of its new outputs.
+
+        Raises SamplingParamsError (naming the field) for a request the engine cannot serve: an
+        id already live, too long a prompt, an adapter it does not hold, stop strings without a tokenizer.
+        """
+        if request.adapter is not None:
+            raise SamplingParamsError("model", f"no adapter {request.adapter!r}: this engine serves only "
+                                      f"{self.name!r}; ask for it by that name")
+        if request.params.stop and self.tokenizer is None:
+            raise SamplingParamsError("stop", "this engine has no tokenizer to match stop strings; "
+                                      "use stop_token_ids")
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise SamplingParamsError("prompt", f"token ids must lie in 0..{vocab - 1} (the model's vocabulary)")
+        with self._lock:
+            self.scheduler.add(request)
+            self._states[request.request_id] = RequestState(request, next(self._arrivals), self.tokenizer, sink)
+        self.driver.wake()
+
+    def abort(self, request_id: str) -> bool:
+        """Ends a live request's choices with "abort" (its blocks are freed now); False if not live."""
+        with self._lock:
+            state = self._states.pop(request_id, None)
+            if state is None:
+                return False
+            self.scheduler.abort(request_id)
+            state.end("abort")
+            output = state.snapshot()
+        if state.sink is not None:
+            state.sink(output)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is live."""
+        with self._lock:
+            return bool(self._states)
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[RequestOutput]:
+        """Runs `requests` (with any others live) until they all finish; their final outputs, in order.
+
+        A request refused (`add_request`) refuses them all: none is left running."""
+        added = []
+        try:
+            for request in requests:
+                self.add_request(request)
+                added.append(request.request_id)
+        except Exception:
+            for rid in added:  # All or none: a refused request leaves no other running.
+                self.abort(rid)
+            raise
+        states = [self._states[r.request_id] for r in requests]
+        while not all(state.finished for state in states):
+            self.step()
+        return [state.output for state in states]
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Outputs of `request` after each step that changed it, the last one `finished` (EngineClient).
+
+        A background thread drives the steps while requests are live; closing the iterator
+        early aborts the request.
+        """
+        return stream_outputs(self, request)
+
+    def model_names(self) -> list[str]:
+        """The base model's name (this engine holds no adapters)."""
+        return [self.name]
+
+    def stats(self) -> EngineStats:
+        """Scheduler gauges and counters, and the compiled programs."""
+        with self._lock:
+            s = self.scheduler.stats()
+        return EngineStats(
+            waiting=s.waiting, running=s.running, kv_blocks_used=s.kv_blocks_used, kv_blocks_free=s.kv_blocks_free,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens, preemptions=s.preemptions,
+            compiled_programs=self.runner.num_programs, compiled_programs_cap=self.runner.max_programs)
+
+    def update_weights(self, params: Any) -> None:
+        """The next step runs on `params` (same tree structure, shapes, dtypes and shardings, else EngineError).
+
+        The KV cache is stale: every running sequence is preempted (recomputed on the new
+        parameters, its tokens kept) and the prefix cache dropped.
+        """
+        check_same_tree(self.params, params)
+        with self._lock:
+            self.params = params
+            self.scheduler.reset_cache()
+
+    def close(self) -> None:
+        """Stops the background thread (live requests stay; `step` still runs them)."""
+        self.driver.stop()
+
+    # ---- one step ----
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step (module docstring); returns the outputs it changed (none if idle)."""
+        with self._step_lock:
+            with self._lock:
+                plan = self.scheduler.schedule()
+                if not plan.rows:
+                    return []
+                inputs = self._inputs(plan)
+            tokens, logprobs, top_ids, top_lps, prompt_lps = self._run(inputs)
+            with self._lock:
+                return self._record(plan, inputs, tokens, logprobs, top_ids, top_lps, prompt_lps)
+
+    def _inputs(self, plan: StepPlan) -> dict[str, Any]:
+        """Everything the model call and the draw need, read from the sequences under the lock."""
+        seqs = [self.scheduler.sequence(row.seq_id) for row in plan.rows]
+        arrays = packing.pack_rows(plan.rows)
+        targets, wanted = packing.prompt_targets(plan.rows, seqs, arrays[0].shape[1])
+        indices = [self._states[seq.request.request_id].index for seq in seqs]
+        samplers = packing.sampling_rows(plan.rows, seqs, indices)
+        size = self.runner.padded_shape(*arrays[0].shape, arrays[3].shape[1])[0]
+        penalties = packing.has_penalty(seqs)
+        return {"arrays": arrays, "targets": targets, "wanted": wanted, "params": self.params,
+                "sampling": SamplingBatch.build(samplers, engine_seed=self.config.seed, size=size),
+                "history": packing.history(seqs, size) if penalties else None,
+                "tops": [0 if s is None else s.params.logprobs or 0 for s in samplers]}
+
+    def _run(self, inputs: dict[str, Any]):
+        """The model call and the draw (no lock held): host arrays of tokens, log-probabilities, prompt ones."""
+        all_logits = any(inputs["wanted"])
+        out = self.runner.step(inputs["params"], *inputs["arrays"], all_logits=all_logits)
+        prompt_lps = None
+        if all_logits:
+            out, every = out
+            targets = np.pad(inputs["targets"], [(0, every.shape[0] - inputs["targets"].shape[0]),
+                                                 (0, every.shape[1] - inputs["targets"].shape[1])])
+            prompt_lps = np.asarray(self._prompt_logprobs(every, targets))
+        history = inputs["history"]
+        result = self._sample(out, inputs["sampling"], *(() if history is None else history))
+        return (*(np.asarray(x) for x in result), prompt_lps)
+
+    def _record(self, plan, inputs, tokens, logprobs, top_ids, top_lps, prompt_lps) -> list[RequestOutput]:
+        """The scheduler's `finish_step` and the requests' outputs (under the lock); delivers them."""
+        for i, positions in enumerate(inputs["wanted"]):
+            state = self._states.get(plan.rows[i].request_id)
+            if positions and state is not None:
+                for position in positions:
+                    state.prompt_logprobs[position] = float(prompt_lps[i, position - 1 - plan.rows[i].start])
+        sampled = {row.seq_id: int(tokens[i]) for i, row in enumerate(plan.rows) if row.sample}
+        row_of = {row.seq_id: i for i, row in enumerate(plan.rows)}
+        changed: dict[str, RequestState] = {}
+        for update in self.scheduler.finish_step(plan, sampled):
+            state = self._states.get(update.request_id)
+            if state is None:
+                continue
+            i = row_of[update.seq_id]
+            count = inputs["tops"][i]
+            top = {int(t): float(v) for t, v in zip(top_ids[i, :count], top_lps[i, :count])}
+            if state.add_token(update.choice_index, update.new_token, update.finish_reason, logprobs[i], top):
+                self.scheduler.finish(update.seq_id, "stop")
+            changed[update.request_id] = state
+        outputs = []
+        for rid, state in changed.items():
+            outputs.append(state.snapshot())
+            if state.finished:
+                del self._states[rid]
+            if state.sink is not None:
+                state.sink(outputs[-1])
+        return outputs
+
+    def fail(self, error: BaseException) -> None:
+        """Hands `error` to every live request's sink and aborts them (the driver, on a failed step)."""
+        with self._lock:
+            states = list(self._states.values())
+            for state in states:
+                self.scheduler.abort(state.request.request_id)
+            self._states.clear()
+        for state in states:
+            if state.sink is not None:
+                state.sink(error)
+
+
+def check_same_tree(old: Any, new: Any) -> None:
+    """EngineError unless `new` has `old`'s tree structure and, leaf by leaf, shape, dtype and sharding."""
+    if jax.tree.structure(old) != jax.tree.structure(new):
+        raise EngineError("update_weights: the new parameter tree's structure differs from the engine's; "
+                          "pass the same model's parameters")
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(old), jax.tree.leaves(new)):
+        where = jax.tree_util.keystr(path)
+        same = (np.shape(a), getattr(a, "dtype", None)) == (np.shape(b), getattr(b, "dtype", None))
+        if not same or getattr(a, "sharding", None) != getattr(b, "sharding", None):
+            raise EngineError(f"update_weights: parameter {where} is {np.shape(b)} {getattr(b, 'dtype', None)} "
+                              f"{getattr(b, 'sharding', None)}, the engine's is {np.shape(a)} "
+                              f"{getattr(a, 'dtype', None)} {getattr(a, 'sharding', None)}; pass parameters "
+                              "of the same shapes, dtypes and shardings")
