@@ -15,7 +15,7 @@ plain data) does not import JAX.
 
 from __future__ import annotations
 
-from axcore._lazy import lazy_exports
+from axcore.config.lazy import lazy_exports
 
 _EXPORTS = {
     "axcore.engine.config": ["EngineConfig", "EngineError"],
