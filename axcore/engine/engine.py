@@ -21,6 +21,7 @@ sequences ended while their step was in flight). Steps themselves run one at a t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -168,11 +169,8 @@ class Engine:
         """Scheduler gauges and counters, and the compiled programs."""
         with self._lock:
             s = self.scheduler.stats()
-        return EngineStats(
-            waiting=s.waiting, running=s.running, kv_blocks_used=s.kv_blocks_used, kv_blocks_free=s.kv_blocks_free,
-            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            prompt_tokens=s.prompt_tokens, generation_tokens=s.generation_tokens, preemptions=s.preemptions,
-            compiled_programs=self.runner.num_programs, compiled_programs_cap=self.runner.max_programs)
+        return EngineStats(**dataclasses.asdict(s), compiled_programs=self.runner.num_programs,
+                           compiled_programs_cap=self.runner.max_programs)
 
     def update_weights(self, params: Any) -> None:
         """The next step runs on `params` (same tree structure, shapes, dtypes and shardings, else EngineError).
