@@ -7,7 +7,6 @@ configuration alone.
 The hardware packages are given as plugin objects (CI installs only axcore and plugins/*/).
 """
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -21,6 +20,7 @@ for package in ("axcore_gpu", "axcore_tpu", "axcore_neuron"):
 
 from axcore.cli import main  # noqa: E402
 from axcore.experiment import load_experiment  # noqa: E402
+from axcore.testing import host_devices_env  # noqa: E402
 
 import axcore_gpu.fp8_plugin  # noqa: E402
 import axcore_gpu.plugin  # noqa: E402
@@ -115,7 +115,7 @@ for selector in {selectors!r}:
 def test_each_platform_compiles_on_8_cpu_devices_or_says_why(experiment_file):
     paths = [str(ROOT / p) for p in ("axcore_gpu", "axcore_tpu", "axcore_neuron")]
     code = COMPILE_SCRIPT.format(paths=paths, selectors=SELECTORS, path=str(experiment_file))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = host_devices_env(8)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=400, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     sections = out.stdout.split("SELECTOR ")[1:]

@@ -12,8 +12,8 @@ Their checks are plain functions too (`check_attention_kernel`, ...). Helpers sh
 axcore's own tests and the plugins' (each plugin's tests run from its package alone):
 `TINY_OVERRIDES`, `load_tiny_experiment`, `train_steps` and `train_params` (a few SGD
 steps of a tiny model), `NP_ACTIVATIONS` (NumPy activations), the
-`rms_norm` op's NumPy oracle (`np_rms_norm`, `check_rms_norm`, `RMS_NORM_CASES`, ...) and `run_host_device_worker`
-(a script on 8 host CPU devices in a fresh process). The pytest plugin
+`rms_norm` op's NumPy oracle (`np_rms_norm`, `check_rms_norm`, `RMS_NORM_CASES`, ...), `run_host_device_worker`
+(a script on 8 host CPU devices in a fresh process) and `host_devices_env` (its environment). The pytest plugin
 (`axcore.testing.pytest_plugin`, loaded through the `pytest11` entry point) adds the
 fixtures `axcore_plugin_manager`, `axcore_registries`, `axcore_tiny_experiment` and
 `axcore_train_steps`. Names load lazily (PEP 562): importing this package imports
@@ -54,7 +54,7 @@ _EXPORTS = {
         "np_rms_norm_vjp",
         "rms_norm_case_arrays",
     ],
-    "axcore.testing.devices": ["run_host_device_worker"],
+    "axcore.testing.devices": ["host_devices_env", "run_host_device_worker"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

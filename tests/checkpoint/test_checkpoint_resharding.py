@@ -1,11 +1,12 @@
 """Save over 8 devices, restore into other shardings (a subprocess with 8 CPU devices)."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from axcore.testing import host_devices_env
 
 WORKER = Path(__file__).with_name("checkpoint_reshard_worker.py")
 BACKENDS = ["orbax", "tensorstore"]
@@ -13,7 +14,7 @@ BACKENDS = ["orbax", "tensorstore"]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = host_devices_env(8)
     directory = tmp_path_factory.mktemp("reshard")
     proc = subprocess.run(
         [sys.executable, str(WORKER), str(directory), *BACKENDS],

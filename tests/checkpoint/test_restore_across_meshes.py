@@ -4,12 +4,13 @@ continues there with the same losses (both checkpoint backends; 8 CPU devices in
 subprocess running restore_across_meshes_worker.py)."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+from axcore.testing import host_devices_env
 
 WORKER = pathlib.Path(__file__).parent / "restore_across_meshes_worker.py"
 # Steps 5 and 6 on two meshes compute the same math in another reduction order (float32).
@@ -19,7 +20,7 @@ LOSS_RTOL = 1e-5
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["orbax", "tensorstore"])
 def test_restore_on_other_meshes_and_continue(backend):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = host_devices_env(8)
     proc = subprocess.run([sys.executable, str(WORKER), backend], capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

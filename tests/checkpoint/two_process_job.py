@@ -27,7 +27,9 @@ def free_port() -> int:
 
 def run_job(worker: Path, directory: Path, names: Sequence[str], timeout: float = 150) -> tuple[dict, list[str]]:
     """Runs the two processes; `({(process, name): "OK ..." | "FAIL ..."}, [output of each process])`."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    # Four host devices, keeping the caller's other XLA flags (the test session's compile flags).
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     port = free_port()
     procs = [
         subprocess.Popen(

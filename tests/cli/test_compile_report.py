@@ -1,6 +1,5 @@
 """`axcore compile`: the report on the Llama-shaped experiments, the scan FLOP correction, --device-memory."""
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from axcore.config.traversal import is_config_of
 from axcore.errors import AxcoreError
 from axcore.experiment import load_experiment
 from axcore.layers.transformer import RepeatedTransformer, StackedTransformer
+from axcore.testing import host_devices_env
 from axcore.trainer.compile_analysis import compile_step, parameter_counts, scan_corrected_flops, with_layers
 
 # A small decoder (default.yaml's stack unrolled, scan.yaml's scanned): compiles in seconds.
@@ -28,7 +28,7 @@ def _report(stdout: str) -> dict[str, str]:
 
 
 def _compile_subprocess(*args, devices=8):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = host_devices_env(devices)
     return subprocess.run(
         [sys.executable, "-m", "axcore.cli", "compile", *args], capture_output=True, text=True, timeout=600, env=env
     )

@@ -19,7 +19,7 @@ import pytest
 import axcore
 from axcore import cli
 from axcore.data import ByteTokenizer
-from axcore.testing import TINY_OVERRIDES
+from axcore.testing import TINY_OVERRIDES, host_devices_env
 
 # (override(s), the line's start after "axcore: error: "): one case of the probe each.
 CASES = [
@@ -120,7 +120,7 @@ def test_train_refuses_before_compiling(override, start, tmp_path):
 
 # The pipeline: 8 host devices, mesh stage x fsdp x data = 2 x 2 x 2, 8 rows, GPipe.
 PIPELINE = ["mesh.mesh_shape=[2,2,2]", "mesh.mesh_axis_names=[stage,fsdp,data]", "input.batch_size=8"]
-EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+EIGHT_DEVICES = {"XLA_FLAGS": host_devices_env(8)["XLA_FLAGS"]}
 
 
 def _pipeline_sets(*extra):

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from axcore.platform.distributed import DistributedError, distributed_settings
-from axcore.testing import TINY_OVERRIDES
+from axcore.testing import TINY_OVERRIDES, host_devices_env
 
 # Seconds a launch may take to commit its first checkpoint, or to finish.
 LAUNCH_TIMEOUT = 180
@@ -63,12 +63,7 @@ class Job:
 
     def __init__(self, cwd, run_dir, steps, name):
         base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JOB", "AXCORE_"))}
-        env = {
-            **base,
-            "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-            "AXCORE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
-        }
+        env = {**host_devices_env(2, base), "AXCORE_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT)}
         port = _free_port()
         self.paths = [pathlib.Path(cwd) / f"{name}-process{i}.log" for i in range(2)]
         self.procs, self.logs = [], []

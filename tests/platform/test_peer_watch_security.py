@@ -34,6 +34,7 @@ import pytest
 
 from axcore.platform import peer_watch
 from axcore.platform.peer_watch import PeerWatch
+from axcore.testing import host_devices_env
 
 SECRET = bytes(range(32))
 # Seconds a test waits for something that should happen at once.
@@ -296,7 +297,7 @@ def test_a_stranger_on_the_port_stops_neither_process_and_both_ports_listen_on_t
     done = tmp_path / "done"
     worker = pathlib.Path(__file__).with_name("peer_watch_worker.py")
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JOB", "AXCORE_"))}
-    env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = host_devices_env(1, base)
     paths = [tmp_path / f"process{i}.log" for i in range(2)]
     procs = []
     try:

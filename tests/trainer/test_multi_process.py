@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from axcore.testing import TINY_OVERRIDES
+from axcore.testing import TINY_OVERRIDES, host_devices_env
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ def _launch(commands_and_envs, cwd):
     try:
         for i, (command, env) in enumerate(commands_and_envs):
             log = open(pathlib.Path(cwd) / f"process{i}.log", "w")
-            full_env = {**base, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **env}
+            full_env = {**host_devices_env(2, base), **env}
             procs.append((subprocess.Popen(command, env=full_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT), log))
         for proc, _ in procs:
             proc.wait(timeout=LAUNCH_TIMEOUT)
@@ -113,7 +113,7 @@ def single_process(tmp_path_factory):
     """Losses of 6 steps in one process with 4 CPU devices (the same data-parallel mesh) reading both
     data shards, and what it read."""
     root = tmp_path_factory.mktemp("single")
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {"XLA_FLAGS": host_devices_env(4)["XLA_FLAGS"]}
     [log] = _launch([(_command([*_overrides(root / "run", 6), "input.data_shards=2"]), env)], root)
     assert _instance_type(root / "run") == "cpu-4"
     return _losses(root / "run"), _reads(log)

@@ -8,7 +8,6 @@ experts split 4 ways over an `expert` mesh axis and the batch 2 ways over `data`
 every step.
 """
 
-import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from moe_family_models import CONFIGS, TOLERANCE, axcore_logits, hf_logits, save
 
 from axcore.cli import main  # noqa: E402
 from axcore.observe import read_jsonl_metrics  # noqa: E402
+from axcore.testing import host_devices_env  # noqa: E402
 
 from axcore_hf import hf_to_axcore  # noqa: E402
 
@@ -56,7 +56,7 @@ def test_fine_tuning_resumes_from_the_import_and_exports(name, tmp_path, capsys)
     expert_parallel = None
     if name == "qwen3_moe":  # The same steps on 4 devices, in a subprocess started before this one trains.
         shutil.copytree(tmp_path / "import", tmp_path / "eight")
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+        env = host_devices_env(8)
         code = "import sys; from axcore.cli import main; sys.exit(main(sys.argv[1:]))"
         args = [sys.executable, "-c", code, *_train_args(tmp_path / "eight", EXPERT_MESH)]
         expert_parallel = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
