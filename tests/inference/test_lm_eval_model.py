@@ -231,6 +231,7 @@ def test_a_loaded_model_scores_with_its_full_forward(tiny):
         register()(run=str(run), loaded=loaded)
 
 
+@pytest.mark.slow  # Compiles the engine's programs (about 20-30 s on 2 loaded cores).
 def test_local_completions_over_http_gives_the_hf_models_per_document_results(tiny, hf_results):
     """lm-eval's `local-completions` model (its OpenAI completions client: token-id prompts, `echo`, `logprobs`
     1, `max_tokens` 1) against `axcore serve`'s app over the engine on 127.0.0.1, tokenizing with the saved HF

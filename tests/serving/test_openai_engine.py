@@ -25,6 +25,8 @@ pytest.importorskip("axcore_hf")
 from live_server import LiveServer  # noqa: E402
 from tiny_llama import VOCAB, tiny_llama_run  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Compiles the engine's programs (about 20-40 s on 2 loaded cores for the module).
+
 # Replies end at "QRS" (the template's end-of-turn marker).
 TEMPLATE = ("{% for m in messages %}{{ m['role'] + ':' + m['content'] + 'QRS\\n' }}{% endfor %}"
             "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
