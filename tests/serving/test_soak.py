@@ -103,7 +103,7 @@ SEEDS = (None, 1)  # None: greedy; 1: drawn at temperature 1 with that seed.
 
 
 def engine_plan(count: int, name: str, seed: int = 1) -> list[dict]:
-    """`count` jobs for the real engine: good ones from the pools (streamed or not), cancels of 40 tokens, bad."""
+    """`count` jobs for the real engine: good ones from the pools (streamed or not), cancels of 48 tokens, bad."""
     rng = random.Random(seed)
     kinds = ["cancel"] * (count // 10) + ["bad"] * (count // 10)
     kinds += ["good"] * (count - len(kinds))
@@ -113,7 +113,7 @@ def engine_plan(count: int, name: str, seed: int = 1) -> list[dict]:
         if kind == "bad":
             jobs.append({"kind": kind, "body": MALFORMED[i % len(MALFORMED)]})
             continue
-        key = (rng.choice(PROMPTS), 40 if kind == "cancel" else rng.choice(LENGTHS), rng.choice(SEEDS))
+        key = (rng.choice(PROMPTS), 48 if kind == "cancel" else rng.choice(LENGTHS), rng.choice(SEEDS))
         body = {"prompt": key[0], "model": name, "max_tokens": key[1], "stream": kind == "cancel" or rng.random() < 0.5,
                 "temperature": 0 if key[2] is None else 1.0, "seed": key[2], "ignore_eos": True}
         jobs.append({"kind": kind, "key": key, "body": body})
