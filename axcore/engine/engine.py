@@ -38,7 +38,7 @@ from axcore.engine.driver import EngineDriver, stream_outputs
 from axcore.engine.model_runner import ModelRunner
 from axcore.engine.outputs import RequestState
 from axcore.engine.requests import EngineStats, GenerationRequest, RequestOutput, SamplingParamsError
-from axcore.engine.sampling import SamplingBatch, prompt_logprobs, sample
+from axcore.engine.sampling import SamplingBatch, prompt_scores, sample, top_logprobs_bucket
 from axcore.engine.scheduler import Scheduler
 from axcore.engine.sequence import StepPlan
 
@@ -75,7 +75,7 @@ class Engine:
         self._lock = threading.RLock()
         self._step_lock = threading.Lock()
         self._sample = jax.jit(sample)
-        self._prompt_logprobs = jax.jit(prompt_logprobs)
+        self._prompt_scores = jax.jit(prompt_scores, static_argnames=("k",))
         self.driver = EngineDriver(self)
 
     @classmethod
@@ -210,13 +210,16 @@ class Engine:
         samplers = packing.sampling_rows(plan.rows, seqs, indices)
         size = self.runner.padded_shape(*arrays[0].shape, arrays[3].shape[1])[0]
         penalties = packing.has_penalty(seqs)
+        asked = [seq.request.params.prompt_logprobs for seq, positions in zip(seqs, wanted) if positions]
         return {"arrays": arrays, "targets": targets, "wanted": wanted, "params": self.params,
+                "prompt_top": top_logprobs_bucket(max(asked, default=0)),
                 "sampling": SamplingBatch.build(samplers, engine_seed=self.config.seed, size=size),
                 "history": packing.history(seqs, size) if penalties else None,
                 "tops": [0 if s is None else s.params.logprobs or 0 for s in samplers]}
 
     def _run(self, inputs: dict[str, Any]):
-        """The model call and the draw (no lock held): host arrays of tokens, log-probabilities, prompt ones."""
+        """The model call and the draw (no lock held): host arrays of tokens, log-probabilities, and the
+        prompt's `(log-probabilities [B, T], top ids [B, T, K], their log-probabilities [B, T, K])` (or None)."""
         all_logits = any(inputs["wanted"])
         out = self.runner.step(inputs["params"], *inputs["arrays"], all_logits=all_logits)
         prompt_lps = None
@@ -224,18 +227,14 @@ class Engine:
             out, every = out
             targets = np.pad(inputs["targets"], [(0, every.shape[0] - inputs["targets"].shape[0]),
                                                  (0, every.shape[1] - inputs["targets"].shape[1])])
-            prompt_lps = np.asarray(self._prompt_logprobs(every, targets))
+            prompt_lps = tuple(np.asarray(x) for x in self._prompt_scores(every, targets, k=inputs["prompt_top"]))
         history = inputs["history"]
         result = self._sample(out, inputs["sampling"], *(() if history is None else history))
         return (*(np.asarray(x) for x in result), prompt_lps)
 
     def _record(self, plan, inputs, tokens, logprobs, top_ids, top_lps, prompt_lps) -> list[RequestOutput]:
         """The scheduler's `finish_step` and the requests' outputs (under the lock); delivers them."""
-        for i, positions in enumerate(inputs["wanted"]):
-            state = self._states.get(plan.rows[i].request_id)
-            if positions and state is not None:
-                for position in positions:
-                    state.prompt_logprobs[position] = float(prompt_lps[i, position - 1 - plan.rows[i].start])
+        self._record_prompt(plan, inputs, prompt_lps)
         sampled = {row.seq_id: int(tokens[i]) for i, row in enumerate(plan.rows) if row.sample}
         row_of = {row.seq_id: i for i, row in enumerate(plan.rows)}
         changed: dict[str, RequestState] = {}
@@ -257,6 +256,20 @@ class Engine:
             if state.sink is not None:
                 state.sink(outputs[-1])
         return outputs
+
+    def _record_prompt(self, plan, inputs, prompt) -> None:
+        """Stores the prompt log-probabilities (and top-N) a step computed in their requests' states."""
+        for i, positions in enumerate(inputs["wanted"]):
+            state = self._states.get(plan.rows[i].request_id)
+            if not positions or state is None:
+                continue
+            lps, top_ids, top_lps = prompt
+            count = state.request.params.prompt_logprobs
+            for position in positions:
+                column = position - 1 - plan.rows[i].start  # The logits at p - 1 predict the token at p.
+                state.prompt_logprobs[position] = float(lps[i, column])
+                state.prompt_top_logprobs[position] = {
+                    int(t): float(v) for t, v in zip(top_ids[i, column, :count], top_lps[i, column, :count])}
 
     def fail(self, error: BaseException) -> None:
         """Hands `error` to every live request's sink and aborts them (the driver, on a failed step)."""

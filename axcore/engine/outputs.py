@@ -45,6 +45,9 @@ class RequestState:
         # Log-probability of each prompt token given those before it (index 0: None); None unless asked.
         self.prompt_logprobs: list[float | None] | None = (
             [None] * len(request.prompt_token_ids) if params.prompt_logprobs is not None else None)
+        # Per prompt token, its position's top `prompt_logprobs` tokens {id: log-probability} (index 0: None).
+        self.prompt_top_logprobs: list[dict[int, float] | None] | None = (
+            None if self.prompt_logprobs is None else list(self.prompt_logprobs))
         # The latest output (None until the first token).
         self.output: RequestOutput | None = None
 
@@ -95,6 +98,8 @@ class RequestState:
                           None if c.top_logprobs is None else [dict(t) for t in c.top_logprobs], c.finish_reason)
                    for c in self.choices]
         prompt = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
+        tops = None if self.prompt_top_logprobs is None else [
+            None if top is None else dict(top) for top in self.prompt_top_logprobs]
         self.output = RequestOutput(self.request.request_id, self.request.prompt_token_ids, choices, prompt,
-                                    self.finished)
+                                    self.finished, tops)
         return self.output

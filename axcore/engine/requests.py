@@ -154,6 +154,9 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     # Whether every choice has finished.
     finished: bool = False
+    # Per prompt token, {token id: log-probability} of the `prompt_logprobs` most likely tokens at its
+    # position (None for the first); None unless asked.
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,8 @@ temperature 1 for greedy rows (a temperature of 0 has no distribution). Without 
 at temperature 1 (or greedy) they equal the model's own log-softmax, which is what the
 learner computes on the same parameters; vLLM's default (the raw model's log-softmax
 whatever the processing) differs from this only where penalties or a temperature other
-than 1 apply. Prompt log-probabilities (`prompt_logprobs`) are always the raw model's.
+than 1 apply. Prompt log-probabilities (`prompt_logprobs`, `prompt_scores` with their top-N) are
+always the raw model's.
 
 Keys: a row's key is a hash (on the host) of its request's seed (or, without one, of
 the engine's seed and the request's index) and its choice index among the request's `n`,
@@ -379,3 +380,22 @@ def prompt_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(logprobs, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def prompt_scores(logits: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`prompt_logprobs` and the `k` most likely tokens at each position, from ONE log-softmax.
+
+    Args:
+        logits: [..., T, V] logits whose row t predicts `tokens[..., t]` (shifted by the caller).
+        tokens: [..., T] int32.
+        k: top tokens per position (static; 0 = none).
+
+    Returns:
+        (log-probabilities [..., T] float32, top ids [..., T, k'] int32, their log-probabilities
+        [..., T, k'] float32), k' = min(k, V); ties: lower id first. A position whose token is the
+        most likely has its log-probability bit-equal to its top-1 value (clients test greediness so).
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    top_ids, top_values = top_logprobs(logprobs, k, normalized=True)
+    return chosen, top_ids, top_values

@@ -97,10 +97,12 @@ def chat_logprobs(answer: Answer, ids, lps, tops) -> dict:
 
 
 def _prompt_logprobs(answer: Answer, k: int, output: RequestOutput) -> dict:
-    """The echoed prompt's legacy logprobs (the engine gives no top-N of prompt tokens: None each)."""
+    """The echoed prompt's legacy logprobs: each token's log-probability and its position's top-N
+    (`RequestOutput.prompt_top_logprobs`; None for the first token, which nothing predicts)."""
     ids = answer.prompt_ids[k]
     lps = output.prompt_logprobs or [None] * len(ids)
-    return legacy_logprobs(answer, ids, lps, [None] * len(ids), 0)
+    tops = output.prompt_top_logprobs or [None] * len(ids)
+    return legacy_logprobs(answer, ids, lps, tops, 0)
 
 
 def _joined(first: dict, second: dict) -> dict:

@@ -313,3 +313,27 @@ def test_a_kv_budget_sizes_the_cache_from_the_layers(engine):
     """2 layers x (key + value) x 2 kv heads x head dim 8 x float32 = 256 bytes per token."""
     assert block_bytes(engine.model, 4) == 2 * 2 * 2 * 8 * 4 * 4
     assert resolve(engine.model, dataclasses.replace(CONFIG, num_blocks=None, kv_cache_bytes=10 * 1024)).num_blocks == 10
+
+
+@pytest.mark.slow  # Compiles the engine's programs with every token's logits (about 10-30 s on 2 loaded cores).
+def test_prompt_top_n_across_chunked_prefill_skips_the_prefix_cache(engine, forward):
+    """A 30-token prompt (two chunks of at most 16) whose blocks an earlier request left in the prefix cache:
+    a request asking its prompt's log-probabilities computes every position again (no cache hit), and each
+    position's log-probability and top 3 equal log_softmax of the full forward's logits within 1e-4."""
+    ids = prompt(13, 30)
+    engine.generate([GenerationRequest("warm", ids, SamplingParams(max_tokens=1, **GREEDY))])
+    before = engine.stats()
+    params = SamplingParams(max_tokens=2, prompt_logprobs=3, **GREEDY)
+    (out,) = engine.generate([GenerationRequest("scored", ids, params)])
+    after = engine.stats()
+    assert after.prefix_cache_hits == before.prefix_cache_hits  # Its prompt was computed, not found.
+    assert after.prompt_tokens - before.prompt_tokens == len(ids)
+    reference = log_softmax(forward(engine.params, ids))
+    assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
+    np.testing.assert_allclose(out.prompt_logprobs[1:], reference[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+    for p in range(1, len(ids)):
+        row = reference[p - 1]
+        top = np.argsort(-row, kind="stable")[:3]
+        assert list(out.prompt_top_logprobs[p]) == top.tolist()
+        np.testing.assert_allclose(list(out.prompt_top_logprobs[p].values()), row[top], atol=1e-4)
+    assert out.choices[0].token_ids == full_greedy(forward, engine.params, ids, 2)

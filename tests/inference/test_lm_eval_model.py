@@ -229,3 +229,40 @@ def test_a_loaded_model_scores_with_its_full_forward(tiny):
     assert abs(value - expected) < TOLERANCE and is_greedy == greedy
     with pytest.raises(LmEvalError, match="exactly one of run=RUN_DIR and loaded"):
         register()(run=str(run), loaded=loaded)
+
+
+@pytest.mark.slow  # Compiles the engine's programs (about 20-30 s on 2 loaded cores).
+def test_local_completions_over_http_gives_the_hf_models_per_document_results(tiny, hf_results):
+    """lm-eval's `local-completions` model (its OpenAI completions client: token-id prompts, `echo`, `logprobs`
+    1, `max_tokens` 1) against `axcore serve`'s app over the engine on 127.0.0.1, tokenizing with the saved HF
+    tokenizer (nothing downloaded): each choice's log-likelihood within 1e-4 of lm-eval's `hf` model, the same
+    greedy flags (from the prompt tokens' top-1) and the same accuracy per document."""
+    pytest.importorskip("tenacity")  # lm-eval's `api` extra (the test extra installs lm-eval[api]).
+    pytest.importorskip("fastapi")
+    from live_server import LiveServer
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from axcore.engine import Engine, EngineConfig
+    from axcore.serving import TextFrontend
+
+    hf_dir, run, tasks, _ = tiny
+    config = EngineConfig(block_size=16, num_blocks=32, max_seqs=4, max_tokens_per_step=32, batch_buckets=(4,),
+                          token_buckets=(32,))
+    engine = Engine.from_run(str(run), config=config)
+    with LiveServer(engine, TextFrontend(engine.tokenizer, None, vocab_size=engine.vocab_size)) as live:
+        model = LocalCompletionsAPI(base_url=f"{live.url}/v1/completions", model=engine.name, tokenizer=str(hf_dir),
+                                    tokenizer_backend="huggingface", tokenized_requests=True, batch_size=4,
+                                    max_retries=1)
+        results = _evaluate(model, tasks)
+    engine.close()
+    ours_lls, ours_acc = _per_choice(results)
+    theirs_lls, theirs_acc = _per_choice(hf_results)
+    assert ours_lls.shape == (6, 3)
+    assert np.abs(ours_lls - theirs_lls).max() < TOLERANCE, (ours_lls, theirs_lls)
+    assert ours_acc == theirs_acc
+
+    def greedy(res):
+        return [[bool(r[1]) for r in s["resps"][i]] for s in res["samples"]["tiny_mc"] for i in range(3)]
+
+    assert greedy(results) == greedy(hf_results)
+    assert engine.stats().kv_blocks_used == 0

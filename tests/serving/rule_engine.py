@@ -5,7 +5,7 @@
 every other token `1 / (2 (VOCAB - 1))`, so log-probabilities and top-N lists are known in
 closed form. Text is the ByteTokenizer's decoding of the tokens (ids < 128: ASCII). It honours
 `max_tokens`, `n`, `stop` (the text ends before the string, finish "stop"), `stop_token_ids`,
-`logprobs` and `prompt_logprobs`, takes `step_s` seconds per step, counts what `stats()`
+`logprobs` and `prompt_logprobs` (with their top-N), takes `step_s` seconds per step, counts what `stats()`
 reports, and records every request it was asked for, finished and aborted (the stream
 closed or cancelled before the end). `hold` (a threading.Event) keeps every request waiting
 until it is set.
@@ -97,10 +97,11 @@ class RuleEngine:
         choices = [Choice(i, logprobs=[] if p.logprobs is not None else None,
                           top_logprobs=[] if p.logprobs is not None else None) for i in range(p.n)]
         tokens = [[] for _ in choices]
-        prompt_lps = None
+        prompt_lps = prompt_tops = None
         if p.prompt_logprobs is not None:
             prompt_lps = [None] + [LOG_HALF if b == rule(a, 0, request.adapter) else LOG_REST
                                    for a, b in zip(prompt, prompt[1:])]
+            prompt_tops = [None] + [top(a, 0, request.adapter, p.prompt_logprobs) for a in prompt[:-1]]
         for _ in range(p.max_tokens):
             await asyncio.sleep(self.step_s)
             for choice, own in zip(choices, tokens):
@@ -109,7 +110,7 @@ class RuleEngine:
             self.live[request.request_id] = p.n * self._blocks(len(prompt) + max(len(t) for t in tokens))
             finished = all(c.finish_reason is not None for c in choices)
             yield RequestOutput(request.request_id, request.prompt_token_ids,
-                                [_copy(c) for c in choices], prompt_lps, finished)
+                                [_copy(c) for c in choices], prompt_lps, finished, prompt_tops)
             if finished:
                 return
 

@@ -71,6 +71,9 @@ def test_logprobs_with_echo_cover_prompt_and_completion(client):
     assert lp.token_logprobs == [None, pytest.approx(LOG_HALF), pytest.approx(LOG_REST)] + [pytest.approx(LOG_HALF)] * 2
     assert lp.text_offset == [0, 1, 2, 3, 4]
     assert lp.top_logprobs[3] == {"e": pytest.approx(LOG_HALF), "\x00": pytest.approx(LOG_REST)}
+    # The prompt's tokens carry their positions' top 2 too ('c' follows 'b' by the rule); the first has none.
+    assert lp.top_logprobs[0] is None
+    assert lp.top_logprobs[2] == {"c": pytest.approx(LOG_HALF), "\x00": pytest.approx(LOG_REST)}
 
 
 def test_max_tokens_0_with_echo_scores_the_prompt_only(client):
