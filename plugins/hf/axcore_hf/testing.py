@@ -209,7 +209,7 @@ def run_engine(engine: Engine, requests: list[GenerationRequest], steps_between:
 def check_engine(model, run: pathlib.Path) -> EngineStats:
     """axcore's inference engine (continuous batching over a paged KV cache) on the imported `run` gives
     transformers' greedy `generate` tokens, and log-probabilities (each token's and the top 2) within TOLERANCE
-    of log_softmax of transformers' full forward over prompt and output.
+    of log_softmax of transformers' full forward over prompt and output; the text is the tokenizer's decode.
 
     One engine run covers: prompts of mixed lengths (3..15 tokens, ENGINE_NEW_TOKENS new ones each), requests
     joining mid-flight, a shared 13-token prefix found in the prefix cache, preemptions (7 sequences on 12
@@ -222,7 +222,7 @@ def check_engine(model, run: pathlib.Path) -> EngineStats:
     engine = Engine.from_run(str(run), config=ENGINE)
     try:
         outputs = run_engine(engine, requests, steps_between=(2, 1, 0, 3))
-        stats = engine.stats()
+        stats, tokenizer = engine.stats(), engine.tokenizer
     finally:
         engine.close()
     for prompt, output in zip(prompts, outputs):
@@ -232,6 +232,7 @@ def check_engine(model, run: pathlib.Path) -> EngineStats:
         assert len(output.choices) == (3 if output.request_id == "r2" else 1)
         for choice in output.choices:
             assert (choice.token_ids, choice.finish_reason) == (expected, "length"), (output.request_id, choice)
+            assert choice.text == tokenizer.decode([t for t in expected if t < tokenizer.vocab_size])  # 256..: none.
             np.testing.assert_allclose(choice.logprobs, reference[np.arange(len(expected)), expected], atol=TOLERANCE)
             assert [list(t) for t in choice.top_logprobs] == top.tolist()
             np.testing.assert_allclose([list(t.values()) for t in choice.top_logprobs],
