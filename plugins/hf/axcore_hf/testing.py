@@ -181,10 +181,9 @@ def engine_prompts() -> list[list[int]]:
 def hf_greedy(model, ids: list[int], count: int) -> list[int]:
     """transformers' greedy continuation of `ids` by `count` tokens (never stopped by an end-of-sequence token)."""
     config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = None
+    config.update(eos_token_id=None, max_new_tokens=count, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), generation_config=config, max_new_tokens=count, do_sample=False,
-                             pad_token_id=0)
+        out = model.generate(torch.tensor([ids]), generation_config=config)
     return out[0, len(ids):].tolist()
 
 
