@@ -165,7 +165,7 @@ def core_mentions(words) -> list[tuple[str, str]]:
 
 
 # The inference engine's check: a cache of 12 usable blocks of 4 tokens (so the sequences below preempt each
-# other), 4 rows and 16 tokens per step, one bucket each (one compiled program per model).
+# other), 4 rows and 16 tokens per step, one bucket each (3 compiled programs, one per block-table width).
 ENGINE = EngineConfig(block_size=4, num_blocks=13, max_seqs=4, max_tokens_per_step=16, batch_buckets=(4,),
                       token_buckets=(16,))
 ENGINE_NEW_TOKENS = 8
