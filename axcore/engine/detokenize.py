@@ -22,6 +22,10 @@ already returned never has to be taken back. `final=True` (the choice ended for 
 reason: a stop token, its length) flushes what was held back, an incomplete character
 included (as U+FFFD, as the whole decode has it).
 
+Ids past the tokenizer's vocabulary (`tokenizer.vocab_size`; a model's embedding padded
+beyond its tokenizer, as many Hugging Face models are, can sample them) have no text: they
+count as output tokens but add nothing to the text (as vLLM decodes them to "").
+
 Known limit: a decoder that rewrites text before the window's start once later tokens
 arrive (transformers' `clean_up_tokenization_spaces`, which axcore's tokenizers do not
 apply) would differ from the whole decode; the window of a few tokens covers the rules
@@ -63,7 +67,9 @@ class IncrementalDetokenizer:
             raise ValueError(f"Stop strings must be non-empty strings, got {tuple(stop)!r}.")
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
-        self._ids = _stable_context(tokenizer, [int(t) for t in context_ids][-CONTEXT_TOKENS:])
+        # Token ids with text: 0..vocab - 1.
+        self._vocab = int(tokenizer.vocab_size)
+        self._ids = _stable_context(tokenizer, [int(t) for t in context_ids if self._has_text(t)][-CONTEXT_TOKENS:])
         self._prefix, self._read = 0, len(self._ids)
         self.text = ""
         self._sent = 0  # Characters of `text` returned so far.
@@ -81,8 +87,9 @@ class IncrementalDetokenizer:
             return "", True
         for token in new_ids:
             self._starts.append(len(self.text))
-            self._ids.append(int(token))
-            self.text += self._decode_new(flush=False)
+            if self._has_text(token):
+                self._ids.append(int(token))
+                self.text += self._decode_new(flush=False)
         if final:
             self.text += self._decode_new(flush=True)
         cut = self._first_stop()
@@ -94,6 +101,10 @@ class IncrementalDetokenizer:
         end = len(self.text) if final or self.stopped else len(self.text) - self._stop_prefix_tail()
         delta, self._sent = self.text[self._sent : end], max(self._sent, end)
         return delta, self.stopped
+
+    def _has_text(self, token: int) -> bool:
+        """Whether the tokenizer knows `token` (ids past its vocabulary decode to no text)."""
+        return 0 <= int(token) < self._vocab
 
     def _decode_new(self, *, flush: bool) -> str:
         """Text added since the window last moved, or "" while it ends in an incomplete

@@ -184,7 +184,7 @@ async def _completions(state: ServerState, request: CompletionRequest, http: Req
     prompt_logprobs = request.logprobs if (request.echo and request.logprobs is not None) else None
     params = sampling_params(request, max_tokens=max_tokens, logprobs=request.logprobs,
                              prompt_logprobs=prompt_logprobs)
-    echo = [p if isinstance(p, str) else state.frontend.tokenizer.decode(list(p)) for p in prompts]
+    echo = [p if isinstance(p, str) else state.frontend.text(p) for p in prompts]
     answer = Answer("completion", f"cmpl-{uuid.uuid4().hex}", int(time.time()), model, params.n, ids,
                     params.stop, request.logprobs, echo if request.echo else None, score_only, state.frontend)
     return await _run(state, answer, params, adapter, request, http, arrival)

@@ -85,7 +85,12 @@ class TextFrontend:
 
     def token_text(self, token_id: int) -> str:
         """One token's text (as its own decode gives it)."""
-        return self.tokenizer.decode([int(token_id)])
+        return self.text([token_id])
+
+    def text(self, ids: Sequence[int]) -> str:
+        """The decode of `ids`; ids past the tokenizer's vocabulary (a model's padded embedding rows) have no text."""
+        known = self.tokenizer.vocab_size
+        return self.tokenizer.decode([int(t) for t in ids if 0 <= int(t) < known])
 
 
 def _one_token(tokenizer: Tokenizer, marker: str) -> list[int]:

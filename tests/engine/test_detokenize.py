@@ -165,3 +165,16 @@ def test_stop_strings_are_non_empty():
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(ByteTokenizer(), stop=[""])
     assert np.asarray(ByteTokenizer().encode("é")).tolist() == [195, 169]
+
+
+def test_ids_past_the_tokenizers_vocabulary_add_no_text():
+    """A model's vocabulary padded past its tokenizer's (ids 256.. here) can sample ids that have no text: they
+    count as tokens (for the tokens kept before a stop string) but the text is the decode of the others, even
+    inside a split character and in the prompt's context."""
+    data = "hé, ok".encode()
+    ids = [data[0], data[1], 300, data[2], 256, *data[3:], 511]
+    detok = IncrementalDetokenizer(ByteTokenizer(), stop=("ok",), context_ids=[65, 400])
+    deltas, flags = _stream(detok, ids, [1])
+    assert "".join(deltas) == np_truth(data, ("ok",)) == "hé, "
+    assert flags[-1] and not flags[-3]
+    assert detok.kept_tokens == ids.index(ord(" ")) + 1  # Up to the space: the stop string's tokens are dropped.

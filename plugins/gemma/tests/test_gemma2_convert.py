@@ -113,3 +113,8 @@ def family_dir(tmp_path):
     directory.mkdir()
     (directory / "config.json").write_text(checks.json.dumps(gemma2().to_dict()))
     return directory
+
+
+@pytest.mark.slow  # Compiles the engine's program (about 10-30 s on 2 loaded cores).
+def test_engine_matches_transformers(family):
+    checks.check_engine(family.model, family.run)

@@ -5,8 +5,10 @@ For tests only: it imports torch and transformers (the `test` extra), so the plu
 
 Tiny models with random weights (biases and norms drawn too), float32, eager
 attention; logits over `IDS` (2 x 24 tokens), tolerance 1e-4 on logits of magnitude ~5.
+`check_engine` runs axcore's inference engine (`axcore.engine`) on an import against transformers.
 """
 
+import copy
 import dataclasses
 import json
 import pathlib
@@ -20,6 +22,8 @@ import transformers
 import axcore
 from axcore.checkpoint.interop import ConversionError
 from axcore.cli import main
+from axcore.engine import Engine, EngineConfig
+from axcore.engine.requests import EngineStats, GenerationRequest, SamplingParams
 from axcore.inference.run_loading import load_model
 
 from axcore_hf import axcore_to_hf, hf_to_axcore
@@ -158,3 +162,80 @@ def core_mentions(words) -> list[tuple[str, str]]:
     """`(file, word)` for each of `words` (lower case) found in axcore's own sources."""
     core = pathlib.Path(axcore.__file__).parent
     return [(str(p.relative_to(core)), w) for p in core.rglob("*.py") for w in words if w in p.read_text().lower()]
+
+
+# The inference engine's check: a cache of 12 usable blocks of 4 tokens (so the sequences below preempt each
+# other), 4 rows and 16 tokens per step, one bucket each (3 compiled programs, one per block-table width).
+ENGINE = EngineConfig(block_size=4, num_blocks=13, max_seqs=4, max_tokens_per_step=16, batch_buckets=(4,),
+                      token_buckets=(16,))
+ENGINE_NEW_TOKENS = 8
+
+
+def engine_prompts() -> list[list[int]]:
+    """Five prompts (ids 1..255) of 3, 14, 9, 15 and 14 tokens; the last two share their first 13 (3 full blocks)."""
+    rng = np.random.default_rng(1)
+    shared = rng.integers(1, 256, size=13).tolist()
+    return [rng.integers(1, 256, size=n).tolist() for n in (3, 14, 9)] + [shared + [5, 6], shared + [7]]
+
+
+def hf_greedy(model, ids: list[int], count: int) -> list[int]:
+    """transformers' greedy continuation of `ids` by `count` tokens (never stopped by an end-of-sequence token)."""
+    config = copy.deepcopy(model.generation_config)
+    config.update(eos_token_id=None, max_new_tokens=count, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), generation_config=config)
+    return out[0, len(ids):].tolist()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """NumPy log_softmax over the last axis, in float64."""
+    x = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def run_engine(engine: Engine, requests: list[GenerationRequest], steps_between: tuple[int, ...]) -> list:
+    """Adds `requests[k]` after `steps_between[k - 1]` more steps, then steps until all finish; their final outputs."""
+    finals = {}
+    for k, request in enumerate(requests):
+        for _ in range(steps_between[k - 1] if k else 0):
+            engine.step()
+        engine.add_request(request, lambda out, rid=request.request_id: finals.__setitem__(rid, out))
+    while not all(r.request_id in finals and finals[r.request_id].finished for r in requests):
+        engine.step()
+    return [finals[r.request_id] for r in requests]
+
+
+def check_engine(model, run: pathlib.Path) -> EngineStats:
+    """axcore's inference engine (continuous batching over a paged KV cache) on the imported `run` gives
+    transformers' greedy `generate` tokens, and log-probabilities (each token's and the top 2) within TOLERANCE
+    of log_softmax of transformers' full forward over prompt and output; the text is the tokenizer's decode.
+
+    One engine run covers: prompts of mixed lengths (3..15 tokens, ENGINE_NEW_TOKENS new ones each), requests
+    joining mid-flight, a shared 13-token prefix found in the prefix cache, preemptions (7 sequences on 12
+    blocks) and n = 3 at temperature 0. Returns the engine's counters at the end.
+    """
+    prompts = engine_prompts()
+    params = dict(max_tokens=ENGINE_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    requests = [GenerationRequest(f"r{k}", p, SamplingParams(n=3 if k == 2 else 1, **params))
+                for k, p in enumerate(prompts)]
+    engine = Engine.from_run(str(run), config=ENGINE)
+    try:
+        outputs = run_engine(engine, requests, steps_between=(2, 1, 0, 3))
+        stats, tokenizer = engine.stats(), engine.tokenizer
+    finally:
+        engine.close()
+    for prompt, output in zip(prompts, outputs):
+        expected = hf_greedy(model, prompt, ENGINE_NEW_TOKENS)
+        reference = log_softmax(hf_logits(model, [prompt + expected])[0])[len(prompt) - 1 : -1]
+        top = np.argsort(-reference, axis=-1, kind="stable")[:, :2]
+        assert len(output.choices) == (3 if output.request_id == "r2" else 1)
+        for choice in output.choices:
+            assert (choice.token_ids, choice.finish_reason) == (expected, "length"), (output.request_id, choice)
+            assert choice.text == tokenizer.decode([t for t in expected if t < tokenizer.vocab_size])  # 256..: none.
+            np.testing.assert_allclose(choice.logprobs, reference[np.arange(len(expected)), expected], atol=TOLERANCE)
+            assert [list(t) for t in choice.top_logprobs] == top.tolist()
+            np.testing.assert_allclose([list(t.values()) for t in choice.top_logprobs],
+                                       np.take_along_axis(reference, top, -1), atol=TOLERANCE)
+    assert stats.prefix_cache_hits >= 3 and stats.preemptions > 0, stats
+    assert (stats.kv_blocks_used, stats.running, stats.waiting) == (0, 0, 0), stats
+    return stats

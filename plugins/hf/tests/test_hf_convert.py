@@ -188,6 +188,16 @@ def test_generate_on_an_import_matches_transformers_greedy_generate(llama3, caps
         assert record["tokens"] == expected.tolist()
 
 
+@pytest.mark.slow  # Compiles the engine's program (about 10-30 s on 2 loaded cores).
+def test_engine_on_an_import_matches_transformers(llama3):
+    """The inference engine's greedy tokens and log-probabilities (axcore_hf.testing.check_engine: mixed lengths,
+    requests joining mid-flight, a prefix-cache hit, preemptions, n = 3) equal transformers' (llama3 RoPE, GQA)."""
+    from axcore_hf.testing import check_engine
+
+    model, _, run = llama3
+    check_engine(model, run)
+
+
 def test_the_checkpoints_tokenizer_becomes_the_experiments(llama3, tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     pytest.importorskip("axcore_tokenizers")

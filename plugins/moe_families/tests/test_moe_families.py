@@ -22,6 +22,7 @@ from axcore.cli import main  # noqa: E402
 from axcore.inference.run_loading import load_model  # noqa: E402
 
 from axcore_hf import axcore_to_hf, hf_to_axcore  # noqa: E402
+from axcore_hf.testing import check_engine  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -112,3 +113,11 @@ def test_eval_loss_is_transformers_cross_entropy(family, tmp_path, capsys):
     with torch.no_grad():
         expected = model(ids, labels=ids).loss.item()
     assert result["tokens"] == len(text) - 1 and abs(result["loss"] - expected) < 1e-4, (result, expected)
+
+
+@pytest.mark.slow  # Compiles the engine's program (about 10-30 s on 2 loaded cores).
+def test_engine_matches_transformers(family):
+    """The inference engine's greedy tokens and log-probabilities (axcore_hf.testing.check_engine: mixed lengths,
+    requests joining mid-flight, a prefix-cache hit, preemptions, n = 3) equal transformers'."""
+    _, model, _, run = family
+    check_engine(model, run)

@@ -75,3 +75,8 @@ def test_unsupported_configs_are_refused_in_one_line(tmp_path, capsys, changes, 
 
 def test_no_qwen2_code_in_the_core():
     assert not checks.core_mentions(("qwen", "max_window_layers", "use_sliding_window", "sliding_attention"))
+
+
+@pytest.mark.slow  # Compiles the engine's program (about 10-30 s on 2 loaded cores).
+def test_engine_matches_transformers(family):
+    checks.check_engine(family.model, family.run)

@@ -73,3 +73,8 @@ def test_round_trip_is_bit_identical(tmp_path, dtype):
 )
 def test_unsupported_configs_are_refused_in_one_line(tmp_path, capsys, changes, expected):
     checks.check_refused({**qwen3().to_dict(), **changes}, tmp_path, capsys, expected)
+
+
+@pytest.mark.slow  # Compiles the engine's program (about 10-30 s on 2 loaded cores).
+def test_engine_matches_transformers(family):
+    checks.check_engine(family.model, family.run)
