@@ -193,7 +193,8 @@ def test_the_openai_client_selects_an_adapter_by_model_name(runs, engine, forwar
 @pytest.mark.slow  # Two more runs, the plugin's merge and another engine.
 def test_a_qlora_int8_adapter_equals_its_merge_and_base_rows_the_quantized_base(runs, forward, tmp_path):
     """A LoRA run on an int8 base (`lora init --base-format int8`, adapters randomized): its rows equal the plugin's
-    merge (dequantized base + adapter), base rows of the same engine the merge of the fresh (B = 0) run."""
+    merge (dequantized base + adapter), base rows of the same engine the merge of the fresh (B = 0) run, and the
+    QLoRA run served on its own (no adapters resident) its merge too."""
     root, params, _ = runs
     peft.init(root / "base", tmp_path / "fresh", {"rank": 4, "alpha": 8.0, "target": "q|v", "base_format": "int8"})
     fresh = load_model(tmp_path / "fresh")
@@ -203,14 +204,20 @@ def test_a_qlora_int8_adapter_equals_its_merge_and_base_rows_the_quantized_base(
     ids = [prompt(20, 7), prompt(21, 5)]
     outs = engine.generate([GenerationRequest(f"q{k}", p, SamplingParams(max_tokens=5, **GREEDY), a)
                             for k, (p, a) in enumerate(zip(ids, ["q8", None]))])
+    engine.close()
+    alone = Engine.from_run(str(tmp_path / "q8"), config=CONFIG)  # The QLoRA run served on its own: its adapter.
+    (own,) = alone.generate([GenerationRequest("own", ids[0], SamplingParams(max_tokens=5, **GREEDY))])
+    alone.close()
     for k, run in enumerate(["q8", "fresh"]):
         peft.merge(tmp_path / run, tmp_path / f"{run}_merged")
         plain = load_model(tmp_path / f"{run}_merged")
         tokens, lps = reference(forward, plain.model, plain.params, ids[k], 5)
         assert outs[k].choices[0].token_ids == tokens, run
         np.testing.assert_allclose(outs[k].choices[0].logprobs, lps, atol=1e-4, err_msg=run)
+        if run == "q8":
+            assert own.choices[0].token_ids == tokens
+            np.testing.assert_allclose(own.choices[0].logprobs, lps, atol=1e-4)
     assert outs[0].choices[0].token_ids != reference(forward, plain.model, plain.params, ids[0], 5)[0]
-    engine.close()
 
 
 def test_runs_that_are_no_adapters_of_this_base_are_refused(runs, tmp_path):

@@ -32,7 +32,7 @@ import numpy as np
 from axcore.config import replace
 
 from axcore_lora.checkpoint import merge_params, split_params
-from axcore_lora.kernel import A, B, EXTRA, SCALE, LoraConfigError
+from axcore_lora.kernel import EXTRA, SCALE, A, B, LoraConfigError
 
 
 def stack_adapters(base: Any, adapters: dict[str, Any]) -> tuple[Any, Any]:
