@@ -8,6 +8,8 @@ weights in NumPy (`W + alpha / rank * A @ B` in the weight's `[in, out]` layout)
 the plugin's own `merge` (which dequantizes the base).
 """
 
+import argparse
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -232,3 +234,17 @@ def test_runs_that_are_no_adapters_of_this_base_are_refused(runs, tmp_path):
     _lora_run(tmp_path, other, "elsewhere", 2, 2.0, "q", 5)
     with pytest.raises(lora.LoraConfigError, match="its frozen weights differ from base run"):
         Engine.from_run(str(root / "base"), config=CONFIG, adapters={"e": str(tmp_path / "elsewhere")})
+
+
+def test_axcore_serve_loads_each_lora_flag_as_a_model(runs):
+    """`axcore serve BASE --lora NAME=PATH ...` builds the engine with those adapters, in flag order."""
+    from axcore.cli.serve import build_engine
+
+    root = runs[0]
+    args = argparse.Namespace(step=None, overrides=[], objects=None, served_model_name="tiny",
+                              adapters=[f"second={root / 'a2'}", f"first={root / 'a1'}"])
+    engine = build_engine(str(root / "base"), args)
+    assert engine.model_names() == ["tiny", "second", "first"]
+    assert engine.adapter_slots == {"second": 1, "first": 2}
+    np.testing.assert_array_equal(engine.params["decoder"]["layer0"]["self_attention"]["kernel_state"]["q_proj"]
+                                  ["lora_scale"], [0.0, 4.0 / 2, 8.0 / 4])
