@@ -5,6 +5,8 @@ refused without `--allow-remote`. With `--api-key KEY` (or AXCORE_API_KEY) every
 request must send `Authorization: Bearer KEY`. Past `--max-waiting` requests without an
 output yet, new ones get a 429. SIGTERM (or Ctrl-C) stops accepting connections, lets
 the requests in flight finish (at most `--drain-timeout` seconds when given), then exits.
+Each `--lora NAME=PATH` (repeatable) holds the adapter run PATH (a LoRA run of this base)
+resident: `/v1/models` lists it after the base, and a request's `model: NAME` selects it.
 
 The arguments are checked before the model loads, so a bad flag costs nothing.
 """
@@ -39,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="at shutdown, wait at most S seconds for running requests (default: until they end)")
     parser.add_argument("--served-model-name", metavar="NAME",
                         help="the base model's name in /v1/models and `model` (default: the run directory's name)")
+    parser.add_argument("--lora", dest="adapters", action="append", default=[], metavar="NAME=PATH",
+                        help="serve the adapter run PATH (a LoRA run of this base) as model NAME; repeatable")
     parser.add_argument("--chat-template", metavar="FILE", help="jinja2 chat template (default: the run's)")
     parser.add_argument("--step", type=int, metavar="S", help="checkpoint step (default: the latest committed)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
@@ -62,15 +66,20 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.api_key is not None and not args.api_key.strip():
         raise ServeError("--api-key is empty; give a key, or leave the flag out to serve without one.")
     check_host(args.host, args.allow_remote)
+    from axcore.engine.adapters import parse_adapters
+
+    parse_adapters(args.adapters, args.served_model_name)
 
 
 def build_engine(path: str, args: argparse.Namespace):
     """The inference engine (`axcore.engine.Engine`, an `EngineClient`) serving the run directory `path`:
-    its parameters (the step `--step`, else the latest committed), its tokenizer, default `EngineConfig`."""
+    its parameters (the step `--step`, else the latest committed), its tokenizer, default `EngineConfig`,
+    and the adapters of `--lora`."""
     from axcore.engine import Engine
+    from axcore.engine.adapters import parse_adapters
 
     return Engine.from_run(path, step=args.step, overrides=args.overrides, objects=args.objects,
-                           name=args.served_model_name)
+                           name=args.served_model_name, adapters=parse_adapters(args.adapters, args.served_model_name))
 
 
 def load_frontend(path: str, args: argparse.Namespace):

@@ -32,6 +32,7 @@ import numpy as np
 
 from axcore.data.tokenizer import Tokenizer
 from axcore.engine import batch as packing
+from axcore.engine.adapters import check_names, load_adapters
 from axcore.engine.blocks import BlockAllocator
 from axcore.engine.config import EngineConfig, EngineError, resolve
 from axcore.engine.driver import EngineDriver, stream_outputs
@@ -53,11 +54,16 @@ class Engine:
         config: cache, batching and compilation settings (None: `EngineConfig()`).
         eos_token_ids: tokens that end a choice unless its request sets `ignore_eos`.
         name: the base model's name (`model_names()`).
+        adapters: names of the adapters `params` stacks (slot i + 1 = the i-th; `axcore.engine.adapters`),
+            which requests select by `adapter`; empty: the base only.
     """
 
     def __init__(self, model: Any, params: Any, tokenizer: Tokenizer | None = None, *,
-                 config: EngineConfig | None = None, eos_token_ids: Sequence[int] = (), name: str = "model"):
+                 config: EngineConfig | None = None, eos_token_ids: Sequence[int] = (), name: str = "model",
+                 adapters: Sequence[str] = ()):
         self.model, self.params, self.tokenizer, self.name = model, params, tokenizer, name
+        # Adapter name -> its slot in the stacked parameters (1..N; 0 is the base).
+        self.adapter_slots = {a: i + 1 for i, a in enumerate(check_names(name, adapters))}
         self.config = config = config or EngineConfig()
         # Token ids a prompt may hold: 0..vocab_size-1.
         self.vocab_size = int(model.config.vocab_size)
@@ -80,19 +86,27 @@ class Engine:
 
     @classmethod
     def from_run(cls, path: str, *, step: int | None = None, overrides: Sequence[str] = (), name: str | None = None,
-                 config: EngineConfig | None = None, objects: dict[str, Any] | None = None) -> Engine:
+                 config: EngineConfig | None = None, objects: dict[str, Any] | None = None,
+                 adapters: dict[str, str] | None = None) -> Engine:
         """An engine serving the model of the run directory `path` (`axcore.inference.load_model`: its
         parameters only, never an optimizer state) with the run's tokenizer and its end-of-sequence token.
 
         `name` defaults to the run directory's name; `objects` are plugin objects by name (tests).
+        `adapters` (`{name: adapter run dir}`, e.g. LoRA runs of this base) are held resident and
+        selected per request (`axcore.engine.adapters.load_adapters`; AdapterLoadError if one cannot be).
         """
         from axcore.inference.run_loading import load_model
 
         loaded = load_model(path, step=step, overrides=overrides, objects=objects)
         tokenizer = loaded.experiment.config.tokenizer.instantiate()
         eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
-        return cls(loaded.model, loaded.params, tokenizer, config=config or EngineConfig(), eos_token_ids=eos,
-                   name=name or loaded.source.name)
+        name = name or loaded.source.name
+        model, params = loaded.model, loaded.params
+        if adapters:
+            check_names(name, adapters)
+            model, params = load_adapters(loaded, adapters, objects=objects)
+        return cls(model, params, tokenizer, config=config or EngineConfig(), eos_token_ids=eos, name=name,
+                   adapters=tuple(adapters or ()))
 
     # ---- requests ----
 
@@ -103,9 +117,12 @@ class Engine:
         Raises SamplingParamsError (naming the field) for a request the engine cannot serve: an
         id already live, too long a prompt, an adapter it does not hold, stop strings without a tokenizer.
         """
-        if request.adapter is not None:
-            raise SamplingParamsError("model", f"no adapter {request.adapter!r}: this engine serves only "
-                                      f"{self.name!r}; ask for it by that name")
+        if request.adapter is not None and request.adapter not in self.adapter_slots:
+            if not self.adapter_slots:
+                raise SamplingParamsError("model", f"no adapter {request.adapter!r}: this engine serves only "
+                                          f"{self.name!r}; ask for it by that name")
+            raise SamplingParamsError("model", f"no adapter {request.adapter!r}: this engine serves "
+                                      f"{', '.join(map(repr, self.model_names()))}; ask for one of those")
         if request.params.stop and self.tokenizer is None:
             raise SamplingParamsError("stop", "this engine has no tokenizer to match stop strings; "
                                       "use stop_token_ids")
@@ -162,8 +179,8 @@ class Engine:
         return stream_outputs(self, request)
 
     def model_names(self) -> list[str]:
-        """The base model's name (this engine holds no adapters)."""
-        return [self.name]
+        """The base model's name, then each resident adapter's."""
+        return [self.name, *self.adapter_slots]
 
     def stats(self) -> EngineStats:
         """Scheduler gauges and counters, and the compiled programs."""
@@ -215,13 +232,14 @@ class Engine:
                 "prompt_top": top_logprobs_bucket(max(asked, default=0)),
                 "sampling": SamplingBatch.build(samplers, engine_seed=self.config.seed, size=size),
                 "history": packing.history(seqs, size) if penalties else None,
+                "adapters": np.array([self.adapter_slots.get(seq.request.adapter, 0) for seq in seqs], np.int32),
                 "tops": [0 if s is None else s.params.logprobs or 0 for s in samplers]}
 
     def _run(self, inputs: dict[str, Any]):
         """The model call and the draw (no lock held): host arrays of tokens, log-probabilities, and the
         prompt's `(log-probabilities [B, T], top ids [B, T, K], their log-probabilities [B, T, K])` (or None)."""
         all_logits = any(inputs["wanted"])
-        out = self.runner.step(inputs["params"], *inputs["arrays"], all_logits=all_logits)
+        out = self.runner.step(inputs["params"], *inputs["arrays"], adapters=inputs["adapters"], all_logits=all_logits)
         prompt_lps = None
         if all_logits:
             out, every = out

@@ -8,7 +8,9 @@ the SHARED INTERFACE of `axcore.engine`), the runner pads them to the smallest b
 `(B, T)` that holds them (empty rows: num_new 0, block table 0; padding tokens: id 0 at
 position 0) and the tables to a width `W` (a power of two, or the longest table a
 sequence can have), and runs the program of `(B, T, W)` on the caller's parameters
-(passed through, never copied). The cache is donated to each call and replaced by the
+(passed through, never copied). Each row may name an adapter slot (`adapters [b]`, 0 =
+the base; padding rows 0), which the model call sees through
+`axcore.kernels.adapter_rows` (kernels holding stacked per-request adapters gather by it). The cache is donated to each call and replaced by the
 one it returns, so it is updated in place on devices that support donation.
 
 Compilation is bounded: programs are compiled ahead of time, one per distinct
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from axcore.errors import AxcoreError
+from axcore.kernels.adapter_rows import adapter_rows
 from axcore.module import Module, functional
 
 
@@ -140,6 +143,7 @@ class ModelRunner:
         num_new: np.ndarray,
         block_tables: np.ndarray,
         *,
+        adapters: np.ndarray | None = None,
         all_logits: bool = False,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Runs one engine step; the cache keeps the new tokens' keys and values.
@@ -150,6 +154,8 @@ class ModelRunner:
             positions: `[b, t]` int absolute positions of those tokens.
             num_new: `[b]` int valid tokens per row (0: an empty row).
             block_tables: `[b, w]` int block ids of each row's sequence (padded with 0).
+            adapters: `[b]` int adapter slot of each row (0 = the base; None = all 0), for kernels whose
+                parameters stack per-request adapters (`axcore.kernels.adapter_rows`).
             all_logits: also return every token's logits (prompt log-probabilities).
 
         Returns:
@@ -161,6 +167,7 @@ class ModelRunner:
         shape = self.padded_shape(b, t, arrays[3].shape[1])
         rows, cols = shape[0], (shape[1], shape[1], None, shape[2])
         padded = [np.pad(a, [(0, rows - b)] + ([] if c is None else [(0, c - a.shape[1])])) for a, c in zip(arrays, cols)]
+        padded.append(np.pad(self._slots(adapters, b), (0, rows - b)))
         key = (*shape, bool(all_logits))
         program = self._programs.get(key)
         if program is None:
@@ -175,6 +182,17 @@ class ModelRunner:
             self._programs[key] = program
         out, self.cache = program(params, self.cache, *padded)
         return out
+
+    @staticmethod
+    def _slots(adapters: np.ndarray | None, b: int) -> np.ndarray:
+        """The `[b]` int32 adapter slot per row (zeros for None), checked (`ModelRunnerError` naming `adapters`)."""
+        if adapters is None:
+            return np.zeros(b, np.int32)
+        slots = np.asarray(adapters)
+        if slots.shape != (b,) or not np.issubdtype(slots.dtype, np.integer) or (b and slots.min() < 0):
+            raise ModelRunnerError("adapters", f"has shape {slots.shape} and dtype {slots.dtype}; expected [{b}] "
+                                   "non-negative integers (one adapter slot per row, 0 = the base).")
+        return slots.astype(np.int32)
 
     def _checked(self, tokens, positions, num_new, block_tables) -> list[np.ndarray]:
         """The step's arrays as int32 NumPy, shapes and ranges checked (`ModelRunnerError` naming the array)."""
@@ -203,13 +221,15 @@ class ModelRunner:
             )
         return [a.astype(np.int32) for a in arrays]
 
-    def _step(self, params, cache, tokens, positions, num_new, block_tables, *, all_logits: bool):
-        """The compiled step: `extend_paged`, then the last valid token's logits (and all, if asked)."""
+    def _step(self, params, cache, tokens, positions, num_new, block_tables, adapters, *, all_logits: bool):
+        """The compiled step: `extend_paged` (each row's adapter slot in `adapter_rows`), then the last valid
+        token's logits (and all, if asked)."""
         inputs = {
             "input_ids": tokens, "cache": cache, "positions": positions, "num_new": num_new,
             "block_tables": block_tables, "all_logits": all_logits,
         }
-        (logits, cache), _ = functional(self.model, params, inputs, None, False, method="extend_paged")
+        with adapter_rows(adapters):
+            (logits, cache), _ = functional(self.model, params, inputs, None, False, method="extend_paged")
         if not all_logits:
             return logits, cache
         last = jnp.take_along_axis(logits, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)[:, 0]

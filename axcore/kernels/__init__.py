@@ -1,5 +1,6 @@
 """Ops (`dot`, `attention`, `paged_attention`, `rms_norm`), their problems, and the kernel registry."""
 
+from axcore.kernels.adapter_rows import adapter_rows, current_adapter_rows
 from axcore.kernels.attention import ATTENTION, AttentionProblem, XlaAttention, causal_mask, sliding_window_mask
 from axcore.kernels.dot import DOT, DotProblem, XlaCpuDot, XlaDot, dot_problem, reference_dot
 from axcore.kernels.norm import RMS_NORM, RMSNormProblem, XlaRMSNorm, reference_rms_norm, rms_norm_problem
@@ -47,7 +48,9 @@ __all__ = [
     "XlaDot",
     "XlaPagedAttention",
     "XlaRMSNorm",
+    "adapter_rows",
     "causal_mask",
+    "current_adapter_rows",
     "current_environment",
     "current_platform",
     "describe_kernel_choices",

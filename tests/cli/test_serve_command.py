@@ -19,6 +19,8 @@ BAD_FLAGS = [
     (["--default-max-tokens", "0"], "--default-max-tokens must be >= 1"),
     (["--drain-timeout", "-1"], "--drain-timeout must be >= 0"),
     (["--api-key", " "], "--api-key is empty"),
+    (["--lora", "sql"], "--lora 'sql' is not NAME=PATH"),
+    (["--lora", "a=runs/x", "--lora", "a=runs/y"], "--lora 'a=runs/y': the name 'a' is taken"),
 ]
 
 

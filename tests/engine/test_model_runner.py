@@ -155,3 +155,14 @@ def test_steps_update_the_cache_in_place(source):
                     np.ones((rows, 1), np.int32))
     scratch = runner.temp_bytes()
     assert len(scratch) == 2 and max(scratch.values()) < runner.cache_bytes / 8, (scratch, runner.cache_bytes)
+
+
+@pytest.mark.parametrize("adapters", [np.zeros(2, np.int32), np.array([-1]), np.array([0.5])])
+def test_bad_adapter_slots_are_refused_naming_adapters(llama, adapters):
+    """One non-negative integer adapter slot per row (`axcore.kernels.adapter_rows`), else refused before compiling."""
+    model, params, _, _ = llama
+    runner = runner_of(model)
+    with pytest.raises(ModelRunnerError, match="^'adapters': "):
+        runner.step(params, np.ones((1, 1), np.int32), np.zeros((1, 1), np.int32), np.ones(1, np.int32),
+                    np.ones((1, 1), np.int32), adapters=adapters)
+    assert runner.num_programs == 0

@@ -41,7 +41,7 @@ import numpy as np
 
 from axcore import AxcoreError, ConfigBase
 from axcore.config import NonNegative, Positive
-from axcore.kernels import DotProblem, Support, reference_dot, unknown_extras
+from axcore.kernels import DotProblem, Support, current_adapter_rows, reference_dot, unknown_extras
 from axcore.module import current_context
 from axcore.params import ParameterSpec, constant, fold_in_name
 
@@ -51,6 +51,8 @@ from axcore_lora import quant
 EXTRA = "lora"
 # The adapter pair's names under `kernel_state/<site>`.
 A, B = "lora_a", "lora_b"
+# With several adapters stacked for the inference engine (`axcore_lora.serving`): each slot's alpha / rank.
+SCALE = "lora_scale"
 # Values of one dequantized chunk of a QLoRA base weight (1 MiB in float32; `quantized_dot`).
 CHUNK_ELEMENTS = 2**18
 
@@ -253,6 +255,13 @@ class LoraDot:
     def weight_spec(self, problem: DotProblem, spec: ParameterSpec) -> ParameterSpec | None:
         return stored_weight_spec(problem, spec)
 
+    def stack_adapters(self, base: Any, adapters: dict[str, Any]) -> tuple[Any, Any]:
+        """The inference engine's hook (`axcore.engine.adapters`): `(model, params)` serving base run `base` and
+        the LoRA runs `adapters` (`{name: LoadedModel}`) per request (`axcore_lora.serving.stack_adapters`)."""
+        from axcore_lora.serving import stack_adapters  # Deferred: the engine's side only.
+
+        return stack_adapters(base, adapters)
+
     def __call__(self, problem: DotProblem, x: jax.Array, w: jax.Array, *, state: dict) -> tuple[jax.Array, None]:
         settings = _settings(problem)
         y = base_dot(problem, x, w, base_format(problem))
@@ -264,10 +273,34 @@ class LoraDot:
         if rate > 0 and ctx is not None and ctx.is_training and ctx.prng_key is not None:
             keep = jax.random.bernoulli(fold_in_name(ctx.prng_key, f"lora_dropout.{problem.site}"), 1.0 - rate, h.shape)
             h = jnp.where(keep, h / (1.0 - rate), 0).astype(h.dtype)
+        if SCALE in state:  # Several adapters stacked by slot, one per batch row (`stacked_delta`).
+            delta = stacked_delta(problem, h, state)
+            return y + delta.reshape(*lead, *problem.out_dims).astype(y.dtype), None
         a = state[A].astype(problem.compute_dtype)
         b = state[B].astype(problem.compute_dtype).reshape(a.shape[1], -1)
         delta = (h @ a) @ b * (float(settings["alpha"]) / a.shape[1])
         return y + delta.reshape(*lead, *problem.out_dims).astype(y.dtype), None
+
+
+def stacked_delta(problem: DotProblem, h: jax.Array, state: dict) -> jax.Array:
+    """The adapters' term of a site whose state stacks S adapter slots (the inference engine's, `axcore_lora.serving`):
+    `lora_a [S, in, R]`, `lora_b [S, R, *out_dims]`, `lora_scale [S]` (slot 0 zeros: the base). Row r of the batch
+    uses slot `current_adapter_rows()[r]` (`axcore.kernels.adapter_rows`):
+
+        delta[r] = (h[r] @ A[slot_r]) @ B[slot_r] * scale[slot_r]
+
+    `h [rows, ..., in]` (the rows are the call's batch rows) -> `[rows, ..., out]` in the compute dtype.
+    """
+    rows = current_adapter_rows()
+    if rows is None:
+        raise LoraConfigError(f"site {site_path(problem.site)} holds stacked adapters ({SCALE}) but the model call "
+                              "gives no adapter per row; run it through the inference engine (axcore.engine.Engine).")
+    a = state[A].astype(problem.compute_dtype)[rows]  # [rows, in, R]
+    b = state[B].astype(problem.compute_dtype)[rows].reshape(rows.shape[0], a.shape[2], -1)  # [rows, R, out]
+    scale = state[SCALE].astype(problem.compute_dtype)[rows]  # [rows]
+    h3 = h.reshape(rows.shape[0], -1, h.shape[-1])
+    delta = jnp.einsum("bnr,bro->bno", jnp.einsum("bni,bir->bnr", h3, a), b) * scale[:, None, None]
+    return delta.reshape(*h.shape[:-1], b.shape[-1])
 
 
 class LoraBaseDot:
