@@ -67,16 +67,18 @@ def test_a_python_callable_named_in_the_config(tmp_path, monkeypatch):
         _reward(PythonReward, function="brevity")
 
 
-def _fails_on_seven(completion, sample):
+FAILS_ON_SEVEN = """
+def score(completion, sample):
     if "7" in completion:
-        raise ZeroDivisionError("no sevens\nsecond line")
+        raise ZeroDivisionError("no sevens\\nsecond line")
     return 1.0
+"""
 
 
-def test_a_reward_that_raises_is_one_line_naming_it_and_the_sample_and_scores_zero(caplog, monkeypatch):
-    monkeypatch.setattr(PythonReward, "__init__", lambda self, cfg: (Reward.__init__(self, cfg),
-                                                                     setattr(self, "_fn", _fails_on_seven))[0])
-    rewards = [_reward(PythonReward, function="x:y"), _reward(ExactMatch, weight=2.0)]
+def test_a_reward_that_raises_is_one_line_naming_it_and_the_sample_and_scores_zero(caplog, tmp_path, monkeypatch):
+    (tmp_path / "sevens.py").write_text(FAILS_ON_SEVEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = [_reward(PythonReward, function="sevens:score"), _reward(ExactMatch, weight=2.0)]
     samples = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "1+1=", "answer": "2"}]
     with caplog.at_level(logging.WARNING):
         got = score(rewards, ["7", "2"], samples)
