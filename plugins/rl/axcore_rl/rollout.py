@@ -16,7 +16,8 @@ schema the `grpo` objective reads (`axcore_rl.objective`): row `i` is prompt + c
 padding), `target_weights` 1 on the completion's targets, `old_logprobs` the sampler's
 log-probabilities at those targets, `positions`, `segment_ids` (1 on tokens, 0 on padding)
 and `advantages` `[rows]`. Completion token k of a prompt of P tokens is the target at
-index P - 1 + k.
+index P - 1 + k. `preference_batch(rollout, rewards, seq_len)` instead pairs each prompt's
+best and worst completion for online DPO (the dpo plugin's `dpo` objective).
 """
 
 from __future__ import annotations
@@ -121,4 +122,30 @@ def rollout_batch(rollout: Rollout, advantages: np.ndarray, seq_len: int) -> dic
     return batch
 
 
-__all__ = ["Rollout", "rollout_batch", "sample_rollouts"]
+def preference_batch(rollout: Rollout, rewards: np.ndarray, seq_len: int) -> dict[str, np.ndarray]:
+    """Online DPO rows from a rollout: the `dpo` objective's batch (the dpo plugin) of `[2 * pairs, seq_len]` arrays.
+
+    For each prompt whose completions' `rewards` (`[prompts * G]`) differ, its best
+    completion (the first of equal ones) is row 2k, the chosen, and its worst (the first of
+    equal ones) row 2k + 1, the rejected; `target_weights` is 1 on each completion's
+    tokens. A prompt whose completions all score the same gives no pair; with none at all
+    the arrays have 0 rows.
+    """
+    rewards = np.asarray(rewards)
+    if rewards.shape != (len(rollout.completions),):
+        raise GrpoError(f"rewards: shape {rewards.shape}, need one per completion ({len(rollout.completions)},).")
+    prompts, completions, logprobs = [], [], []
+    for p, prompt in enumerate(rollout.prompts):
+        group = rewards[p * rollout.group_size:(p + 1) * rollout.group_size]
+        if group.max() == group.min():
+            continue
+        prompts.append(prompt)
+        for j in (int(np.argmax(group)), int(np.argmin(group))):
+            completions.append(rollout.completions[p * rollout.group_size + j])
+            logprobs.append(rollout.logprobs[p * rollout.group_size + j])
+    pairs = Rollout(prompts, 2, completions, logprobs, ["pair"] * len(completions), 0.0)
+    batch = rollout_batch(pairs, np.zeros(len(completions), np.float32), seq_len)
+    return {k: v for k, v in batch.items() if k not in ("old_logprobs", "advantages")}
+
+
+__all__ = ["Rollout", "preference_batch", "rollout_batch", "sample_rollouts"]
