@@ -98,8 +98,8 @@ def test_a_resolved_config_keeps_its_plugins(tmp_path):
 FEATURES = {"alibi", "lora", "moe", "remat", "rope", "swiglu"}
 PLUGINS_DIR = pathlib.Path(__file__).parents[2] / "plugins"
 # Plugin directories that hold no model feature (they add tokenizers, converters (model families included) or an
-# objective, not config transforms of the model).
-NOT_FEATURES = {"dpo", "hf", "moe_families", "tokenizers", "qwen", "gemma"}
+# objective (and rewards), not config transforms of the model).
+NOT_FEATURES = {"dpo", "hf", "moe_families", "tokenizers", "qwen", "gemma", "rl"}
 COMBINATIONS = {
     "default": [["rope", "swiglu", "moe"], ["alibi", "moe", "swiglu", "lora"]],
     "scan": [["rope", "swiglu", "moe", "remat", "lora"], ["alibi", "swiglu", "moe", "remat"]],
