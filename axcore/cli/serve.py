@@ -67,10 +67,10 @@ def check_arguments(args: argparse.Namespace) -> None:
 def build_engine(path: str, args: argparse.Namespace):
     """The inference engine (`axcore.engine.Engine`, an `EngineClient`) serving the run directory `path`:
     its parameters (the step `--step`, else the latest committed), its tokenizer, default `EngineConfig`."""
-    from axcore.engine import Engine
+    from axcore.inference.run_loading import load_engine
 
-    return Engine.from_run(path, step=args.step, overrides=args.overrides, objects=args.objects,
-                           name=args.served_model_name)
+    return load_engine(path, step=args.step, overrides=args.overrides, objects=args.objects,
+                       name=args.served_model_name)
 
 
 def load_frontend(path: str, args: argparse.Namespace):

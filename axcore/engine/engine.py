@@ -78,22 +78,6 @@ class Engine:
         self._prompt_logprobs = jax.jit(prompt_logprobs)
         self.driver = EngineDriver(self)
 
-    @classmethod
-    def from_run(cls, path: str, *, step: int | None = None, overrides: Sequence[str] = (), name: str | None = None,
-                 config: EngineConfig | None = None, objects: dict[str, Any] | None = None) -> Engine:
-        """An engine serving the model of the run directory `path` (`axcore.inference.load_model`: its
-        parameters only, never an optimizer state) with the run's tokenizer and its end-of-sequence token.
-
-        `name` defaults to the run directory's name; `objects` are plugin objects by name (tests).
-        """
-        from axcore.inference.run_loading import load_model
-
-        loaded = load_model(path, step=step, overrides=overrides, objects=objects)
-        tokenizer = loaded.experiment.config.tokenizer.instantiate()
-        eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
-        return cls(loaded.model, loaded.params, tokenizer, config=config or EngineConfig(), eos_token_ids=eos,
-                   name=name or loaded.source.name)
-
     # ---- requests ----
 
     def add_request(self, request: GenerationRequest,

@@ -188,6 +188,23 @@ def load_model_and_placement(
     return LoadedModel(experiment, placement.model, params, restored, location.run_dir), placement
 
 
+def load_engine(path: str | os.PathLike, *, step: int | None = None, overrides: Sequence[str] = (),
+                name: str | None = None, config: Any = None, objects: dict[str, Any] | None = None) -> Any:
+    """An `axcore.engine.Engine` serving the model of the run at `path` (`load_model`: its parameters
+    only, never an optimizer state) with the run's tokenizer and its end-of-sequence token.
+
+    `name` (the served model's name) defaults to the run directory's name; `config` is an
+    `EngineConfig` (None: the defaults); `objects` are plugin objects by name (tests).
+    """
+    from axcore.engine import Engine, EngineConfig
+
+    loaded = load_model(path, step=step, overrides=overrides, objects=objects)
+    tokenizer = loaded.experiment.config.tokenizer.instantiate()
+    eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+    return Engine(loaded.model, loaded.params, tokenizer, config=config or EngineConfig(), eos_token_ids=eos,
+                  name=name or loaded.source.name)
+
+
 def _chosen_step(path: str | os.PathLike, step: int | None, location: RunLocation, backend: Any) -> int | None:
     """`step`, or the step of the step directory `path` names (parsed by the backend); None: the latest.
 
