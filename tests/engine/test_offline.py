@@ -104,3 +104,17 @@ def test_a_refused_request_leaves_none_of_its_batch_running(model_and_params):
     with pytest.raises(SamplingParamsError, match="'prompt'"):
         run_requests(engine, requests)
     assert not engine.has_unfinished() and engine.stats().kv_blocks_used == 0
+
+
+def test_a_prompt_near_the_learned_position_limit_pads_no_step_past_it():
+    """20 learned positions: a 17-token prompt would pad to the 64-token bucket; the default buckets stop at
+    the model's length (16, 20), and 3 new tokens still fit (17 + 3 = 20)."""
+    exp = load_experiment(None, [*SMALL[1:], "model.position_embedding.max_len=20"])
+    model = exp.config.model.instantiate(name="model", registries=exp.registries)
+    params = jax.jit(model.initialize)(jax.random.key(5))
+    prompt = (np.arange(17) * 5).tolist()
+    engine, [tokens] = _run(model, params, [prompt], 3)
+    assert engine.settings.token_buckets == (1, 16, 20)
+    assert tokens == _greedy_by_full_forward(model, params, prompt, 3, width=20)
+    with pytest.raises(SamplingParamsError, match="'max_tokens'"):
+        _run(model, params, [prompt], 4)
