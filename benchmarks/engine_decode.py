@@ -7,7 +7,8 @@ seeded) is decoded greedily for `--new-tokens` tokens each (end-of-sequence igno
 `axcore.engine.Engine.generate` (continuous batching over the paged KV cache, 16-token
 blocks) on the run's parameters, once per `--max-seqs` setting (the rows a step runs at
 most: with fewer rows than prompts, prompts wait and join the running batch as others
-finish; 1 decodes them one after another). One warm-up call each (compiles), then
+finish; 1 decodes them one after another). Two warm-up calls each (they compile the
+shapes of a cold cache and of the prompts found in the prefix cache, as in every later round), then
 `--rounds` rounds that alternate the settings; medians of wall seconds and the output
 tokens per second are printed as JSON, with how many prompts' tokens agree with the
 first setting's (they should all: greedy decoding does not depend on the batch). Until
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     contenders = {name: runner(engine) for name, engine in engines.items()}
     for fn in contenders.values():
-        fn(-1)  # Warm-up: compiles.
+        for warm_up in (-2, -1):  # Compiles: the first call's shapes, then those of prompts found in the prefix cache.
+            fn(warm_up)
     seconds: dict[str, list[float]] = {name: [] for name in contenders}
     tokens: dict[str, list] = {}
     for round_ in range(args.rounds):
