@@ -18,7 +18,7 @@ import pytest
 from live_server import LiveServer
 
 import axcore
-from axcore.engine import Engine, EngineConfig, EngineError
+from axcore.engine import EngineConfig, EngineError
 from axcore.engine.config import block_bytes, resolve
 from axcore.engine.requests import GenerationRequest, SamplingParams, SamplingParamsError
 from axcore.errors import ConfigError
