@@ -23,7 +23,7 @@ CROSS_CUTTING = {
     "test_private_imports.py",  # no source imports another package's private names
     "test_public_names.py",  # each package states its public names once
 }
-# Folders of tests/ that are not a package of axcore: its top-level modules (module, params, generation...),
+# Folders of tests/ that are not a package of axcore: its top-level modules (module, params, ...),
 # the benchmarks/ scripts, the developer tools (devtools/, axcore-devtools), axcore's test-only helpers (on sys.path through pytest's `pythonpath`), golden files.
 NOT_PACKAGES = {"core", "benchmarks", "helpers", "golden", "devtools"}
 # Packages without their own folder: the built-in experiment YAML files, checked by tests/experiment and tests/cli.

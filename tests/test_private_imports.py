@@ -61,7 +61,7 @@ def _package_of_file(path: pathlib.Path) -> str:
         if folder in path.parents:
             return name
     if ROOT / "tests" / "core" in path.parents:
-        return "axcore"  # The tests of axcore's top-level modules (module, params, generation ...).
+        return "axcore"  # The tests of axcore's top-level modules (module, params ...).
     return "tests"  # tests/, plugins/*/tests, conftest files.
 
 

@@ -75,11 +75,11 @@ def build_engine(path: str, args: argparse.Namespace):
     """The inference engine (`axcore.engine.Engine`, an `EngineClient`) serving the run directory `path`:
     its parameters (the step `--step`, else the latest committed), its tokenizer, default `EngineConfig`,
     and the adapters of `--lora`."""
-    from axcore.engine import Engine
     from axcore.engine.adapters import parse_adapters
+    from axcore.inference.run_loading import load_engine
 
-    return Engine.from_run(path, step=args.step, overrides=args.overrides, objects=args.objects,
-                           name=args.served_model_name, adapters=parse_adapters(args.adapters, args.served_model_name))
+    return load_engine(path, step=args.step, overrides=args.overrides, objects=args.objects,
+                       name=args.served_model_name, adapters=parse_adapters(args.adapters, args.served_model_name))
 
 
 def load_frontend(path: str, args: argparse.Namespace):

@@ -3,9 +3,11 @@
 Requests (`requests`: `SamplingParams`, `GenerationRequest`, `RequestOutput`) join and
 leave a running batch between decode steps; the scheduler chooses each step's chunks
 and owns the KV block allocator; one compiled model call per step runs the same layers
-and kernels as training, on the caller's parameters. Only `cli/` and `serving/` import
-this package from above; it imports inference (run loading, for `Engine.from_run`),
-layers, kernels and placement from below.
+and kernels as training, on the caller's parameters. It sits below the trainer (whose
+end-of-run sample decodes with it) and imports only the layers, kernels, data and what
+lies below them; a run directory is loaded into an engine from above
+(`axcore.inference.load_engine`). `offline` runs a fixed list of prompts to the end
+(`axcore generate`, the end-of-run sample, lm-eval's `generate_until`).
 
     from axcore.engine import Engine, EngineConfig
 

@@ -13,13 +13,12 @@ How the stacked model comes to be is the adapter plugin's: a kernel registered b
 
 which returns the model whose kernels gather each row's slot and its parameter tree (the
 base's weights plus the adapters stacked in the order of `adapters`: slot i + 1 is the
-i-th). `load_adapters` finds that kernel and calls it; axcore never imports the plugin.
+i-th). `axcore.inference.load_adapters` loads the adapter runs, finds that kernel (`find_stacker`)
+and calls it; axcore never imports the plugin.
 """
 
 from __future__ import annotations
 
-import pathlib
-from collections.abc import Mapping
 from typing import Any
 
 from axcore.errors import AxcoreError
@@ -65,26 +64,3 @@ def find_stacker(registries: Any) -> Any:
             if callable(getattr(kernel, STACK, None)):
                 return kernel
     return None
-
-
-def load_adapters(base: Any, adapters: Mapping[str, str], *, objects: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """`(model, params)` serving `base` (a `LoadedModel`) plus each adapter run of `adapters` (`{name: run dir}`).
-
-    Raises:
-        AdapterLoadError: a path is no run directory (a PEFT adapter directory must first be imported into one),
-            or no adapter run's plugins can stack adapters.
-    """
-    from axcore.inference.run_loading import load_model
-
-    loaded, stacker = {}, None
-    for name, path in adapters.items():
-        where = pathlib.Path(path)
-        if (where / "adapter_config.json").is_file() and not (where / "config.yaml").is_file():
-            raise AdapterLoadError(f"--lora {name}={path}: a PEFT adapter directory, not a run; import it onto the "
-                                   f"base first (axcore lora import-peft BASE_RUN {path} OUT) and pass OUT.")
-        loaded[name] = load_model(path, objects=objects)
-        stacker = stacker or find_stacker(loaded[name].experiment.registries)
-    if stacker is None:
-        raise AdapterLoadError(f"--lora {', '.join(f'{n}={p}' for n, p in adapters.items())}: none of these runs uses a "
-                               "plugin that serves adapters per request (e.g. lora); pass adapter runs.")
-    return getattr(stacker, STACK)(base, loaded)

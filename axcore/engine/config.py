@@ -42,7 +42,7 @@ class EngineConfig:
     # Row counts a step is padded to; None = powers of four up to max_seqs (and max_seqs).
     batch_buckets: tuple[int, ...] | None = None
     # Tokens per row a step is padded to; None = 1 (decode-only steps), then powers of four from 16 up to
-    # max_tokens_per_step (and it).
+    # max_tokens_per_step or max_model_len, whichever is smaller (and it).
     token_buckets: tuple[int, ...] | None = None
     # Most compiled model programs; a step needing one more fails, naming this field.
     max_programs: int = 256
@@ -101,7 +101,9 @@ def resolve(model: Any, config: EngineConfig) -> Resolved:
         raise ConfigError(f"engine 'max_model_len': {max_model_len} exceeds the model's {limit} positions; "
                           f"lower it to at most {limit}")
     batch = tuple(config.batch_buckets or _powers_up_to(config.max_seqs))
-    tokens = tuple(config.token_buckets or sorted({1, *_powers_up_to(config.max_tokens_per_step, 16)}))
+    # A chunk is never longer than max_model_len: no default bucket pads past it (nor past learned positions).
+    longest_chunk = min(config.max_tokens_per_step, max_model_len)
+    tokens = tuple(config.token_buckets or sorted({1, *_powers_up_to(longest_chunk, 16)}))
     if max(batch) < config.max_seqs:
         raise ConfigError(f"engine 'batch_buckets': the largest, {max(batch)}, is below max_seqs "
                           f"{config.max_seqs}; add a bucket of {config.max_seqs}")

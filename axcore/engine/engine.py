@@ -32,7 +32,7 @@ import numpy as np
 
 from axcore.data.tokenizer import Tokenizer
 from axcore.engine import batch as packing
-from axcore.engine.adapters import check_names, load_adapters
+from axcore.engine.adapters import check_names
 from axcore.engine.blocks import BlockAllocator
 from axcore.engine.config import EngineConfig, EngineError, resolve
 from axcore.engine.driver import EngineDriver, stream_outputs
@@ -83,30 +83,6 @@ class Engine:
         self._sample = jax.jit(sample)
         self._prompt_scores = jax.jit(prompt_scores, static_argnames=("k",))
         self.driver = EngineDriver(self)
-
-    @classmethod
-    def from_run(cls, path: str, *, step: int | None = None, overrides: Sequence[str] = (), name: str | None = None,
-                 config: EngineConfig | None = None, objects: dict[str, Any] | None = None,
-                 adapters: dict[str, str] | None = None) -> Engine:
-        """An engine serving the model of the run directory `path` (`axcore.inference.load_model`: its
-        parameters only, never an optimizer state) with the run's tokenizer and its end-of-sequence token.
-
-        `name` defaults to the run directory's name; `objects` are plugin objects by name (tests).
-        `adapters` (`{name: adapter run dir}`, e.g. LoRA runs of this base) are held resident and
-        selected per request (`axcore.engine.adapters.load_adapters`; AdapterLoadError if one cannot be).
-        """
-        from axcore.inference.run_loading import load_model
-
-        loaded = load_model(path, step=step, overrides=overrides, objects=objects)
-        tokenizer = loaded.experiment.config.tokenizer.instantiate()
-        eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
-        name = name or loaded.source.name
-        model, params = loaded.model, loaded.params
-        if adapters:
-            check_names(name, adapters)
-            model, params = load_adapters(loaded, adapters, objects=objects)
-        return cls(model, params, tokenizer, config=config or EngineConfig(), eos_token_ids=eos, name=name,
-                   adapters=tuple(adapters or ()))
 
     # ---- requests ----
 

@@ -25,9 +25,11 @@ Requests, as lm-eval's `hf` model serves them, so per-document results equal its
 - `loglikelihood_rolling` (perplexity tasks): the document's disjoint windows of
   `max_length` tokens (lm-eval's `get_rolling_token_windows`, one token of context), summed.
 - `generate_until`: contexts left-truncated to `max_length - max_gen_toks`, continued by
-  `_generate` (today's `axcore.generation.Generator`: greedy unless `do_sample` with a
-  `temperature` > 0, then `top_k`/`top_p`; the tokenizer's EOS stops a row), decoded, and
-  cut at the first stop string (`until`, plus the EOS text as lm-eval's `hf` model adds it).
+  the inference engine (`axcore.engine.offline`: continuous batching of up to `batch_size`
+  sequences over a paged KV cache, under the run's placement; greedy unless `do_sample`
+  with a `temperature` > 0, then `top_k`/`top_p`, the draws seeded by `seed` and each
+  request's rank; the tokenizer's EOS and the stop strings end a sequence early), decoded,
+  and cut at the first stop string (`until`, plus the EOS text as lm-eval's `hf` model adds it).
 """
 
 from __future__ import annotations
@@ -131,7 +133,6 @@ class AxcoreLMBase:
         self._specials = len(specials)
         self._special_text = self.tokenizer.decode(specials) if self._specials else ""
         self._score = None  # The jitted scoring step, built on first use.
-        self._generators: dict[tuple, Any] = {}
 
     # -- Tokens -----------------------------------------------------------------------
 
@@ -248,8 +249,6 @@ class AxcoreLMBase:
 
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         """Each request's continuation, cut at the first of its stop strings (module docstring)."""
-        from axcore.generation import Sampling
-
         eos = self.eot_token_id
         eos_text = self.tok_decode([eos]) if eos is not None else None
         groups: dict[str, list[int]] = {}
@@ -266,33 +265,29 @@ class AxcoreLMBase:
             if max_new >= self.max_length:
                 raise LmEvalError(f"A task asks for max_gen_toks={max_new} but the model takes {self.max_length} "
                                   f"tokens (max_length); lower the task's max_gen_toks or raise max_length.")
-            sampling = _sampling(kwargs, Sampling)
+            sampling = _sampling(kwargs, max_new, [stop for stop in until if stop])
             prompts = [self.tok_encode(requests[i].args[0], left_truncate_len=self.max_length - max_new)
                        or [self.prefix_token_id] for i in indices]  # An empty context: as in loglikelihood.
-            stops = [] if eos is None else [int(eos)]
-            for start in range(0, len(indices), self.batch_size):
-                batch = slice(start, start + self.batch_size)
-                for i, tokens in zip(indices[batch], self._generate(prompts[batch], max_new, sampling, stops)):
-                    out[i] = cut_at_stops(self.tok_decode(tokens), until)
-                    self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
+            for i, tokens in zip(indices, self._generate(prompts, sampling)):
+                out[i] = cut_at_stops(self.tok_decode(tokens), until)
+                self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
         return out
 
-    def _generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Any, stops: list[int]) -> list[np.ndarray]:
-        """The generated ids of each prompt (`[n_i]`, at most `max_new_tokens`, ending at a stop id if one
-        came): today's fixed-batch `Generator` under the run's placement (the engine replaces it here)."""
-        import jax
+    def _generate(self, prompts: list[list[int]], sampling: Any) -> list[list[int]]:
+        """The generated ids of each prompt (at most `sampling.max_tokens`, ending at the EOS id or the tokens
+        of a stop string if one came): an offline engine of `batch_size` rows on the loaded parameters."""
+        from axcore.engine.engine import Engine
+        from axcore.engine.offline import offline_config, run_requests
+        from axcore.engine.requests import GenerationRequest
 
-        from axcore.generation import Generator
-
-        key = (max_new_tokens, sampling, tuple(stops))
-        if key not in self._generators:
-            self._generators[key] = Generator(self.loaded.model, max_new_tokens=max_new_tokens, sampling=sampling,
-                                              stop_tokens=stops)
-        # A short last batch is filled with copies of its first prompt: one compiled program per prompt bucket.
-        filled = [np.asarray(p, np.int32) for p in prompts] + [np.asarray(prompts[0], np.int32)] * (
-            self.batch_size - len(prompts))
+        model, eos = self.loaded.model, self.eot_token_id
+        config = offline_config(model, [len(p) for p in prompts], sampling.max_tokens, seed=self.seed,
+                                max_seqs=self.batch_size)
+        requests = [GenerationRequest(f"lm-eval-{i}", p, sampling) for i, p in enumerate(prompts)]
         with self.placement.op_environment():
-            return self._generators[key](self.loaded.params, filled, jax.random.key(self.seed))[:len(prompts)]
+            engine = Engine(model, self.loaded.params, self.tokenizer, config=config,
+                            eos_token_ids=() if eos is None else (int(eos),))
+            return [out.choices[0].token_ids for out in run_requests(engine, requests)]
 
 
 def cut_at_stops(text: str, stops: Sequence[str]) -> str:
@@ -303,14 +298,18 @@ def cut_at_stops(text: str, stops: Sequence[str]) -> str:
     return text
 
 
-def _sampling(kwargs: dict, sampling_class: type) -> Any:
-    """A `Sampling` from lm-eval generation kwargs: greedy unless `do_sample` with `temperature` > 0."""
+def _sampling(kwargs: dict, max_new: int, stop: list[str]) -> Any:
+    """The engine's `SamplingParams` of lm-eval generation kwargs: greedy unless `do_sample` with
+    `temperature` > 0 (then `top_k`, `top_p`); `max_new` tokens at most, ending at the `stop` strings."""
+    from axcore.engine.requests import SamplingParams, SamplingParamsError
+
     temperature = float(kwargs.get("temperature", 1.0 if kwargs.get("do_sample") else 0.0) or 0.0)
     if not kwargs.get("do_sample", temperature > 0) or temperature == 0:
-        return sampling_class()
+        return SamplingParams(max_tokens=max_new, temperature=0.0, stop=tuple(stop))
     try:
-        return sampling_class(temperature, kwargs.get("top_k"), float(kwargs.get("top_p", 1.0)))
-    except ValueError as e:
+        return SamplingParams(max_tokens=max_new, temperature=temperature, top_k=int(kwargs.get("top_k") or 0),
+                              top_p=float(kwargs.get("top_p", 1.0)), stop=tuple(stop))
+    except SamplingParamsError as e:
         raise LmEvalError(f"A task's generation_kwargs do not fit axcore's sampling: {e}") from None
 
 

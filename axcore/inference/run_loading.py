@@ -38,7 +38,7 @@ import dataclasses
 import os
 import pathlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -186,6 +186,57 @@ def load_model_and_placement(
     finally:
         backend.close()
     return LoadedModel(experiment, placement.model, params, restored, location.run_dir), placement
+
+
+def load_engine(path: str | os.PathLike, *, step: int | None = None, overrides: Sequence[str] = (),
+                name: str | None = None, config: Any = None, objects: dict[str, Any] | None = None,
+                adapters: Mapping[str, str] | None = None) -> Any:
+    """An `axcore.engine.Engine` serving the model of the run at `path` (`load_model`: its parameters
+    only, never an optimizer state) with the run's tokenizer and its end-of-sequence token.
+
+    `name` (the served model's name) defaults to the run directory's name; `config` is an
+    `EngineConfig` (None: the defaults); `objects` are plugin objects by name (tests). `adapters`
+    (`{name: adapter run dir}`, e.g. LoRA runs of this base) are held resident and chosen per
+    request (`load_adapters`; AdapterLoadError if one cannot be).
+    """
+    from axcore.engine import Engine, EngineConfig
+    from axcore.engine.adapters import check_names
+
+    loaded = load_model(path, step=step, overrides=overrides, objects=objects)
+    tokenizer = loaded.experiment.config.tokenizer.instantiate()
+    eos = () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+    name = name or loaded.source.name
+    model, params = loaded.model, loaded.params
+    if adapters:
+        check_names(name, adapters)
+        model, params = load_adapters(loaded, adapters, objects=objects)
+    return Engine(model, params, tokenizer, config=config or EngineConfig(), eos_token_ids=eos, name=name,
+                  adapters=tuple(adapters or ()))
+
+
+def load_adapters(base: LoadedModel, adapters: Mapping[str, str], *,
+                  objects: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """`(model, params)` serving `base` plus each adapter run of `adapters` (`{name: run dir}`), stacked
+    by the kernel an adapter run's plugins register for it (`axcore.engine.adapters`).
+
+    Raises:
+        AdapterLoadError: a path is no run directory (a PEFT adapter directory must first be imported into one),
+            or no adapter run's plugins can stack adapters.
+    """
+    from axcore.engine.adapters import STACK, AdapterLoadError, find_stacker
+
+    loaded, stacker = {}, None
+    for name, path in adapters.items():
+        where = pathlib.Path(path)
+        if (where / "adapter_config.json").is_file() and not (where / "config.yaml").is_file():
+            raise AdapterLoadError(f"--lora {name}={path}: a PEFT adapter directory, not a run; import it onto the "
+                                   f"base first (axcore lora import-peft BASE_RUN {path} OUT) and pass OUT.")
+        loaded[name] = load_model(path, objects=objects)
+        stacker = stacker or find_stacker(loaded[name].experiment.registries)
+    if stacker is None:
+        raise AdapterLoadError(f"--lora {', '.join(f'{n}={p}' for n, p in adapters.items())}: none of these runs uses a "
+                               "plugin that serves adapters per request (e.g. lora); pass adapter runs.")
+    return getattr(stacker, STACK)(base, loaded)
 
 
 def _chosen_step(path: str | os.PathLike, step: int | None, location: RunLocation, backend: Any) -> int | None:

@@ -6,9 +6,10 @@ checkpoint or an init), held-out evaluation of a placed model (`evaluate`: `Eval
 the loops, mixtures), the input pipelines of a process's data shards (`inputs`), the
 checkpoint backend of a run (`backend`: `CheckpointConfig`, `make_checkpoint_backend`)
 and the run directory's layout (`layout`: `config.yaml`, `checkpoints/`, the markers).
-It may import `layers/`, `generation`, `learning/` and everything below them; the
+It may import `layers/`, `learning/` and everything below them; the
 trainer (whose `TrainStep` owns a `Placement` and adds the optimizer, the objective and
-the compiled steps), inference and the layers above import it. The names below are
+the compiled steps), inference and the layers above import it (the inference engine,
+`engine/`, just above it, does not need it). The names below are
 re-exported lazily, so importing this package does not import JAX.
 """
 

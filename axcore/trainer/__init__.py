@@ -1,6 +1,7 @@
 """Training: the learner (registered optimizers and schedules on optax), objectives, the train step (which owns
 an `axcore.placement.Placement` and adds the optimizer, the objective and the compiled steps) and loop, and the
-loop's hooks (`RunView`, `LoopHook`; the end-of-run callbacks: sampling, the loss plot)."""
+loop's hooks (`RunView`, `LoopHook`; the end-of-run callbacks: sampling, with the inference engine of
+`axcore.engine` just below, and the loss plot)."""
 
 from axcore.learning.objectives import NextToken, Objective, ObjectiveOutput
 from axcore.learning.optimizers import SGD, Adafactor, AdamW, Lion, Optimizer, scale_by_adam

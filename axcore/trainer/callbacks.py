@@ -39,10 +39,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-import jax
 import numpy as np
 
-from axcore.generation import Generator, Sampling
+from axcore.engine.engine import Engine
+from axcore.engine.offline import offline_config, run_requests
+from axcore.engine.requests import GenerationRequest, SamplingParams
 from axcore.observe import MetricsError, plot_loss_curve
 from axcore.observe.factories import JsonlWriterFactory
 from axcore.platform.distributed import is_primary
@@ -96,9 +97,11 @@ BUILTIN_CALLBACKS = {"loss_plot": LossPlot, "sample": Sample}
 def sample_text(step: Any, params: Any, scfg: Any, out: Any, seed: int) -> str:
     """Text generated from `params` with the settings `scfg` (a `SampleConfig`), printed to `out`.
 
-    `step` is the `TrainStep` (its model, tokenizer and op environment). The prompt and
-    the number of tokens are cut to the model's learned positions (one line on `out`
-    says so). Returns the prompt plus the generated text; "" when `scfg.num_tokens` is 0
+    `step` is the `TrainStep` (its model, tokenizer and op environment). The text comes
+    from the inference engine (`axcore.engine.offline`, on `params` without a copy, under
+    the step's op environment), its draws seeded by `seed`; the tokenizer's end-of-sequence
+    token ends it. The prompt and the number of tokens are cut to the model's learned
+    positions (one line on `out` says so). Returns the prompt plus the generated text; "" when `scfg.num_tokens` is 0
     or the prompt encodes to nothing.
     """
     if scfg.num_tokens <= 0:
@@ -117,14 +120,13 @@ def sample_text(step: Any, params: Any, scfg: Any, out: Any, seed: int) -> str:
         )
     if len(prompt) == 0:
         return ""
-    generator = Generator(
-        step.model,
-        max_new_tokens=num_tokens,
-        sampling=Sampling(scfg.temperature, scfg.top_k, scfg.top_p),
-        stop_tokens=() if eos is None else (eos,),
-    )
+    sampling = SamplingParams(max_tokens=num_tokens, temperature=scfg.temperature, top_k=scfg.top_k or 0,
+                              top_p=scfg.top_p, seed=seed)
+    config = offline_config(step.model, [len(prompt)], num_tokens, seed=seed)
     with step.op_environment():
-        [tokens] = generator(params, [prompt], jax.random.key(seed))
+        engine = Engine(step.model, params, config=config, eos_token_ids=() if eos is None else (eos,))
+        [output] = run_requests(engine, [GenerationRequest("sample", prompt.tolist(), sampling)])
+    tokens = output.choices[0].token_ids
     text = scfg.prompt + tokenizer.decode(np.asarray(tokens))
     print(f"Sample:\n{text}", file=out)
     return text

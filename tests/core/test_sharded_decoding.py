@@ -1,6 +1,7 @@
-"""KV-cache decoding under a (data, fsdp, tensor) mesh of 8 host devices: the same greedy
-tokens as on one device, and the cache laid out on the training activations' logical
-axes (batch over data and fsdp, kv_heads over tensor, as the default rules map them)."""
+"""Decoding under a (data, fsdp, tensor) mesh of 8 host devices: the engine's greedy tokens
+equal those on one device, and the layers' dense KV cache (`extend`) is laid out on the
+training activations' logical axes (batch over data and fsdp, kv_heads over tensor, as the
+default rules map them)."""
 
 import pathlib
 

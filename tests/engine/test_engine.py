@@ -18,10 +18,11 @@ import pytest
 from live_server import LiveServer
 
 import axcore
-from axcore.engine import Engine, EngineConfig, EngineError
+from axcore.engine import EngineConfig, EngineError
 from axcore.engine.config import block_bytes, resolve
 from axcore.engine.requests import GenerationRequest, SamplingParams, SamplingParamsError
 from axcore.errors import ConfigError
+from axcore.inference.run_loading import load_engine
 from axcore.serving import TextFrontend
 
 transformers = pytest.importorskip("transformers")
@@ -49,7 +50,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny):
-    engine = Engine.from_run(str(tiny[1]), config=CONFIG)
+    engine = load_engine(str(tiny[1]), config=CONFIG)
     yield engine
     engine.close()
 

@@ -18,10 +18,11 @@ import pytest
 from live_server import LiveServer
 
 import axcore
-from axcore.engine import Engine, EngineConfig
+from axcore.engine import EngineConfig
 from axcore.engine.adapters import AdapterLoadError
 from axcore.engine.requests import GenerationRequest, SamplingParams, SamplingParamsError
 from axcore.experiment import load_experiment
+from axcore.inference import load_engine
 from axcore.inference.run_loading import load_model, save_model
 from axcore.serving import TextFrontend
 from axcore.testing import TINY_OVERRIDES
@@ -73,7 +74,7 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(runs):
     root = runs[0]
-    engine = Engine.from_run(str(root / "base"), config=CONFIG, adapters={n: str(root / n) for n in ADAPTERS})
+    engine = load_engine(str(root / "base"), config=CONFIG, adapters={n: str(root / n) for n in ADAPTERS})
     yield engine
     engine.close()
 
@@ -202,12 +203,12 @@ def test_a_qlora_int8_adapter_equals_its_merge_and_base_rows_the_quantized_base(
     fresh = load_model(tmp_path / "fresh")
     adapters, frozen = split_params(_numpy(fresh.params))
     save_model(fresh.experiment, merge_params(_randomized(adapters, 3), frozen), tmp_path / "q8")
-    engine = Engine.from_run(str(root / "base"), config=CONFIG, adapters={"q8": str(tmp_path / "q8")})
+    engine = load_engine(str(root / "base"), config=CONFIG, adapters={"q8": str(tmp_path / "q8")})
     ids = [prompt(20, 7), prompt(21, 5)]
     outs = engine.generate([GenerationRequest(f"q{k}", p, SamplingParams(max_tokens=5, **GREEDY), a)
                             for k, (p, a) in enumerate(zip(ids, ["q8", None]))])
     engine.close()
-    alone = Engine.from_run(str(tmp_path / "q8"), config=CONFIG)  # The QLoRA run served on its own: its adapter.
+    alone = load_engine(str(tmp_path / "q8"), config=CONFIG)  # The QLoRA run served on its own: its adapter.
     (own,) = alone.generate([GenerationRequest("own", ids[0], SamplingParams(max_tokens=5, **GREEDY))])
     alone.close()
     for k, run in enumerate(["q8", "fresh"]):
@@ -225,15 +226,15 @@ def test_a_qlora_int8_adapter_equals_its_merge_and_base_rows_the_quantized_base(
 def test_runs_that_are_no_adapters_of_this_base_are_refused(runs, tmp_path):
     root, params, _ = runs
     with pytest.raises(AdapterLoadError, match="none of these runs uses a plugin that serves adapters"):
-        Engine.from_run(str(root / "base"), config=CONFIG, adapters={"plain": str(root / "base")})
+        load_engine(str(root / "base"), config=CONFIG, adapters={"plain": str(root / "base")})
     (tmp_path / "peft").mkdir()
     (tmp_path / "peft" / "adapter_config.json").write_text("{}")
     with pytest.raises(AdapterLoadError, match="a PEFT adapter directory, not a run; import it"):
-        Engine.from_run(str(root / "base"), config=CONFIG, adapters={"p": str(tmp_path / "peft")})
+        load_engine(str(root / "base"), config=CONFIG, adapters={"p": str(tmp_path / "peft")})
     other = jax.tree.map(lambda x: x + np.float32(0.01), params)
     _lora_run(tmp_path, other, "elsewhere", 2, 2.0, "q", 5)
     with pytest.raises(lora.LoraConfigError, match="its frozen weights differ from base run"):
-        Engine.from_run(str(root / "base"), config=CONFIG, adapters={"e": str(tmp_path / "elsewhere")})
+        load_engine(str(root / "base"), config=CONFIG, adapters={"e": str(tmp_path / "elsewhere")})
 
 
 def test_axcore_serve_loads_each_lora_flag_as_a_model(runs):

@@ -1,7 +1,9 @@
-"""`axcore generate` on a run made by `axcore train`: its greedy continuation equals an
-independent argmax loop over full forwards of the restored model; bad arguments exit 2
+"""`axcore generate` on a run made by `axcore train`: its greedy continuation (from the
+inference engine) equals an independent argmax loop over full forwards of the restored
+model, from --prompt, --prompts-file JSONL and to --output JSONL; bad arguments exit 2
 with one line."""
 
+import io
 import json
 import os
 
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 
 from axcore.cli import main
+from axcore.cli.generate import Progress
 from axcore.inference.run_loading import load_model
 from axcore.module import functional
 from axcore.testing import TINY_OVERRIDES
@@ -46,12 +49,62 @@ def test_greedy_generation_of_a_trained_run_matches_full_forward_argmax(run, cap
         assert record["tokens"] == _greedy_reference(run, prompt, 6)
 
 
+def test_a_prompts_file_to_an_output_file_and_a_stop_string(run, tmp_path, capsys):
+    prompts = ["The ", "Once upon", "A"]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(prompts)) + "\n")
+    target = tmp_path / "out.jsonl"
+    assert main(["generate", str(run), "--prompts-file", str(source), "--output", str(target),
+                 "--max-new-tokens", "5"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"Wrote 3 result(s) to {target}." in captured.err
+    records = [json.loads(line) for line in target.read_text().splitlines()]
+    tokenizer = load_model(run).experiment.config.tokenizer.instantiate()
+    for prompt, record in zip(prompts, records):
+        expected = _greedy_reference(run, prompt, 5)
+        assert (record["prompt"], record["tokens"]) == (prompt, expected)
+        assert record["completion"] == tokenizer.decode(np.asarray(expected))
+    # A stop string: a character of the first continuation past its first one; the text stops before it.
+    text = records[0]["completion"]
+    stop = next(c for c in text[1:] if c.isprintable())
+    assert main(["generate", str(run), "--prompt", "The ", "--max-new-tokens", "5", "--stop", stop, "--json"]) == 0
+    [record] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert record["completion"] == text.split(stop)[0] and len(record["tokens"]) <= 5
+
+
+def test_a_bad_prompts_file_line_is_one_line_naming_the_file_and_line(run, tmp_path, capsys):
+    source = tmp_path / "prompts.jsonl"
+    source.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    assert main(["generate", str(run), "--prompts-file", str(source)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(source) in err[0] and "line 2" in err[0] and "'prompt'" in err[0], err
+
+
+def test_the_progress_line_counts_finished_prompts_on_a_terminal_only():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    shown, hidden, single = Terminal(), io.StringIO(), Terminal()
+    for stream, total in ((shown, 4), (hidden, 4), (single, 1)):
+        progress = Progress(stream, total)
+        progress(1, total)
+        progress(total, total)
+        progress.close()
+    lines = shown.getvalue().split("\r")[1:]
+    assert [line.split("] ")[1].split(" (")[0] for line in lines] == ["1/4 prompts finished", "4/4 prompts finished"]
+    assert lines[0].startswith("generate: [" + "#" * 7 + ".") and shown.getvalue().endswith("\n")
+    assert hidden.getvalue() == "" and single.getvalue() == ""
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
         ([], "at least one non-empty --prompt"),
         (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--prompt", "x", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["--prompt", "x", "--min-p", "2"], "--min-p must be a number in [0.0, 1.0]"),
+        (["--prompt", "x", "--output", "/nonexistent-dir/out.jsonl"], "--output '/nonexistent-dir/out.jsonl'"),
         (["--prompt", "x", "--stop-token", "999"], "--stop-token 999 is outside"),
         (["--prompt", "x", "--max-new-tokens", "40"], "max_len"),
         (["--prompt", "x", "--max-new-tokens", "32"], "max_len"),  # 1 + 32 positions: one past the 32.

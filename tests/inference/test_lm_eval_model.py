@@ -242,13 +242,14 @@ def test_local_completions_over_http_gives_the_hf_models_per_document_results(ti
     from live_server import LiveServer
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    from axcore.engine import Engine, EngineConfig
+    from axcore.engine import EngineConfig
+    from axcore.inference import load_engine
     from axcore.serving import TextFrontend
 
     hf_dir, run, tasks, _ = tiny
     config = EngineConfig(block_size=16, num_blocks=32, max_seqs=4, max_tokens_per_step=32, batch_buckets=(4,),
                           token_buckets=(32,))
-    engine = Engine.from_run(str(run), config=config)
+    engine = load_engine(str(run), config=config)
     with LiveServer(engine, TextFrontend(engine.tokenizer, None, vocab_size=engine.vocab_size)) as live:
         model = LocalCompletionsAPI(base_url=f"{live.url}/v1/completions", model=engine.name, tokenizer=str(hf_dir),
                                     tokenizer_backend="huggingface", tokenized_requests=True, batch_size=4,

@@ -13,8 +13,9 @@ import pytest
 
 import axcore
 from axcore.data.chat import ChatTemplate
-from axcore.engine import Engine, EngineConfig
+from axcore.engine import EngineConfig
 from axcore.engine.requests import GenerationRequest, SamplingParams
+from axcore.inference import load_engine
 from axcore.serving import TextFrontend
 
 openai = pytest.importorskip("openai")
@@ -38,7 +39,7 @@ CONFIG = EngineConfig(block_size=16, num_blocks=32, max_seqs=4, max_tokens_per_s
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     _, run = tiny_llama_run(tmp_path_factory.mktemp("served"))
-    engine = Engine.from_run(str(run), config=CONFIG)
+    engine = load_engine(str(run), config=CONFIG)
     frontend = TextFrontend(engine.tokenizer, ChatTemplate(TEMPLATE, name="test"), vocab_size=VOCAB)
     with LiveServer(engine, frontend) as server:
         yield server

@@ -133,14 +133,15 @@ def test_soak_500_requests_32_clients_on_the_real_engine(tmp_path):
     import live_server
     from tiny_llama import VOCAB, tiny_llama_run
 
-    from axcore.engine import Engine, EngineConfig
+    from axcore.engine import EngineConfig
     from axcore.engine.requests import GenerationRequest, SamplingParams
+    from axcore.inference import load_engine
     from axcore.serving import TextFrontend
 
     _, run = tiny_llama_run(tmp_path)
     config = EngineConfig(block_size=16, num_blocks=160, max_seqs=32, max_tokens_per_step=64, max_model_len=64,
                           batch_buckets=(32,), token_buckets=(16, 64))
-    engine = Engine.from_run(str(run), config=config)
+    engine = load_engine(str(run), config=config)
     jobs = engine_plan(500, engine.name)
     alone = {}
     for key in sorted({job["key"] for job in jobs if job["kind"] == "good"}, key=str):

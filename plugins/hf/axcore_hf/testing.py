@@ -24,6 +24,7 @@ from axcore.checkpoint.interop import ConversionError
 from axcore.cli import main
 from axcore.engine import Engine, EngineConfig
 from axcore.engine.requests import EngineStats, GenerationRequest, SamplingParams
+from axcore.inference import load_engine
 from axcore.inference.run_loading import load_model
 
 from axcore_hf import axcore_to_hf, hf_to_axcore
@@ -218,7 +219,7 @@ def check_engine(model, run: pathlib.Path) -> EngineStats:
     params = dict(max_tokens=ENGINE_NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
     requests = [GenerationRequest(f"r{k}", p, SamplingParams(n=3 if k == 2 else 1, **params))
                 for k, p in enumerate(prompts)]
-    engine = Engine.from_run(str(run), config=ENGINE)
+    engine = load_engine(str(run), config=ENGINE)
     try:
         outputs = run_engine(engine, requests, steps_between=(2, 1, 0, 3))
         stats, tokenizer = engine.stats(), engine.tokenizer

@@ -1,7 +1,7 @@
 """Several LoRA adapters resident in the inference engine, one per request (`LoraDot.stack_adapters`).
 
 `stack_adapters(base, adapters)` turns a base run and LoRA runs of it (`{name: LoadedModel}`,
-`axcore.engine.adapters.load_adapters` loads them) into ONE model and parameter tree the
+`axcore.inference.load_adapters` loads them) into ONE model and parameter tree the
 engine serves every adapter and the base from. At each adapted site the kernel state
 holds every adapter stacked on a slot axis (after any stacked-layer axes):
 
