@@ -169,8 +169,12 @@ def write_dataset(directory: str, total_tokens: int, shard_tokens: int, seed: in
     }
 
 
-def train_once(data_dir: str, env: dict[str, str]) -> dict[str, Any]:
-    """One `axcore train` run with max_steps=1 on `data_dir`, in a fresh run directory.
+# Smoke runs train a 1-layer, width-64 model on short rows: the same path, a fraction of the compile.
+SMOKE_OVERRIDES = ("model.num_layers=1", "model.dim=64", "input.batch_size=2", "input.seq_len=32")
+
+
+def train_once(data_dir: str, env: dict[str, str], overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One `axcore train` run with max_steps=1 on `data_dir`, in a fresh run directory (plus `overrides`).
 
     Returns `{"first_step_s", "wall_s", "peak_rss_bytes", "compile_s", "step_time_s", "data_wait_s"}`.
     """
@@ -182,6 +186,7 @@ def train_once(data_dir: str, env: dict[str, str]) -> dict[str, Any]:
         "--set", "trainer.max_steps=1",
         "--set", f"trainer.run_dir={json.dumps(run_dir)}",
         "--set", "trainer.sample.num_tokens=0",
+        *(arg for override in overrides for arg in ("--set", override)),
     ]
     try:
         start = time.perf_counter()
@@ -233,6 +238,7 @@ def run(smoke: bool = False, results_dir: pathlib.Path | None = None, *, rounds:
     large_mib = large_mib or (40 if smoke else 2048)
     shard_mib = shard_mib or (8 if smoke else 128)
     warmup = (not smoke) if warmup is None else warmup
+    overrides = SMOKE_OVERRIDES if smoke else ()
     load_before = _load()
     owned = data_dir is None
     root = data_dir or tempfile.mkdtemp(prefix="axcore-first-step-data-")
@@ -249,11 +255,11 @@ def run(smoke: bool = False, results_dir: pathlib.Path | None = None, *, rounds:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if warmup:  # Untimed: OS file cache, .pyc files, any persistent compilation cache.
             for name in sizes:
-                train_once(os.path.join(root, name), env)
+                train_once(os.path.join(root, name), env, overrides)
         runs: dict[str, list[dict]] = {name: [] for name in sizes}
         for r in range(rounds):
             for name in sizes:
-                result = train_once(os.path.join(root, name), env)
+                result = train_once(os.path.join(root, name), env, overrides)
                 runs[name].append(result)
                 print(f"round {r + 1}/{rounds} {name}: first step {result['first_step_s']:.2f} s, wall "
                       f"{result['wall_s']:.2f} s, peak RSS {result['peak_rss_bytes'] / 1e6:.0f} MB", file=sys.stderr,
@@ -293,7 +299,7 @@ def run(smoke: bool = False, results_dir: pathlib.Path | None = None, *, rounds:
         "setup": {
             "command": " ".join(axcore_command()) + " train default --set input.source.type=prepared "
             "--set input.source.paths=[DIR] --set trainer.max_steps=1 --set trainer.run_dir=TMP "
-            "--set trainer.sample.num_tokens=0",
+            "--set trainer.sample.num_tokens=0" + "".join(f" --set {o}" for o in overrides),
             "rounds": rounds,
             "warmup": warmup,
             "first_step": "process start -> the parent reads the 'step 1/1' progress line on the child's stdout",

@@ -94,7 +94,7 @@ def _runner(argv: list[str], env: dict[str, str]):
 def run(smoke: bool = False, results_dir: pathlib.Path | None = None, *, rounds: int | None = None,
         num_plugins: int | None = None) -> dict[str, Any]:
     """Times the three commands with and without dummy plugins, alternated; writes startup.json."""
-    rounds = rounds or (2 if smoke else 15)
+    rounds = rounds or (1 if smoke else 15)
     num_plugins = num_plugins or (3 if smoke else 20)
     axcore = axcore_command()
     with tempfile.TemporaryDirectory(prefix="axcore-startup-") as tmp:
