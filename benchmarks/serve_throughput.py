@@ -332,8 +332,11 @@ def prepare(work_dir: pathlib.Path, quick: bool) -> tuple[pathlib.Path, pathlib.
 
 
 def measure(contenders: dict[str, Callable], levels: tuple[int, ...], rounds: int, vocab: int, quick: bool,
-            requests: int | None) -> dict[str, Any]:
-    """Warm-up per contender and level, then `rounds` rounds alternating contenders; -> raw per-round numbers."""
+            requests: int | None, save: Callable[[dict], None]) -> dict[str, Any]:
+    """Warm-up per contender and level, then `rounds` rounds alternating contenders; -> raw per-round numbers.
+
+    `save` gets the numbers so far after each round (a long run interrupted keeps its finished rounds).
+    """
     counts = {c: requests or (2 * c if quick else max(4, c)) for c in levels}
     lengths = {c: length_mix(counts[c], seed=c, quick=quick) for c in levels}
     raw: dict[str, Any] = {name: {str(c): [] for c in levels} for name in contenders}
@@ -350,13 +353,15 @@ def measure(contenders: dict[str, Callable], levels: tuple[int, ...], rounds: in
                 results, wall = fn(work, c)
                 raw[name][str(c)].append(level_stats(results, wall))
                 tokens[name] = [r["tokens"] for r in results]
-                print(f"round {round_} c={c} {name}: {raw[name][str(c)][-1]['tokens_per_s']:.1f} tokens/s",
-                      file=sys.stderr, flush=True)
+                print(f"round {round_} c={c} {name}: {json.dumps(raw[name][str(c)][-1])}", file=sys.stderr,
+                      flush=True)
             for name in contenders:
                 if "axcore" in tokens:
                     agree[name][str(c)].append(sum(a == b for a, b in zip(tokens[name], tokens["axcore"])))
-    return {"requests": counts, "lengths": {str(c): lengths[c] for c in levels}, "raw": raw,
-            "same_tokens_as_axcore": agree}
+        measured = {"requests": counts, "lengths": {str(c): lengths[c] for c in levels}, "raw": raw,
+                    "same_tokens_as_axcore": agree, "rounds_done": round_ + 1}
+        save(measured)
+    return measured
 
 
 def summarize_rounds(raw: dict[str, Any]) -> dict[str, Any]:
@@ -402,15 +407,20 @@ def run(quick: bool = False, *, results_dir: pathlib.Path | None = None, rounds:
                 notes["vllm"] = f"not run: no vLLM interpreter at {vllm_python!r} (--vllm-python)"
         if "transformers" in contenders:
             fns["transformers"] = transformers_contender(hf_dir)
-        measured = measure(fns, levels, rounds, vocab, quick, requests)
+        header = {"quick": quick, "model": "smoke shape" if quick else "SmolLM-135M shape, random weights, float32",
+                  "parameters": count, "rounds": rounds, "levels": list(levels), "server_startup_s": startup,
+                  "notes": notes}
+
+        def save(measured: dict[str, Any]) -> None:
+            result.update(header, load_average=os.getloadavg(), **measured,
+                          summary=summarize_rounds(measured["raw"]))
+            write_result("serve_throughput", result, results_dir=results_dir)
+
+        result: dict[str, Any] = {}
+        measure(fns, levels, rounds, vocab, quick, requests, save)
     finally:
         for proc in servers:
             stop_server(proc)
-    result = {"quick": quick, "model": "smoke shape" if quick else "SmolLM-135M shape, random weights, float32",
-              "parameters": count, "rounds": rounds, "levels": list(levels), "server_startup_s": startup,
-              "notes": notes, "load_average": os.getloadavg(), **measured,
-              "summary": summarize_rounds(measured["raw"])}
-    write_result("serve_throughput", result, results_dir=results_dir)
     if work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     return result
