@@ -332,7 +332,7 @@ def prepare(work_dir: pathlib.Path, quick: bool) -> tuple[pathlib.Path, pathlib.
 
 
 def measure(contenders: dict[str, Callable], levels: tuple[int, ...], rounds: int, vocab: int, quick: bool,
-            requests: int | None, save: Callable[[dict], None]) -> dict[str, Any]:
+            requests: int | None, save: Callable[[dict], None], warm_levels: tuple[int, ...]) -> dict[str, Any]:
     """Warm-up per contender and level, then `rounds` rounds alternating contenders; -> raw per-round numbers.
 
     `save` gets the numbers so far after each round (a long run interrupted keeps its finished rounds).
@@ -341,10 +341,10 @@ def measure(contenders: dict[str, Callable], levels: tuple[int, ...], rounds: in
     lengths = {c: length_mix(counts[c], seed=c, quick=quick) for c in levels}
     raw: dict[str, Any] = {name: {str(c): [] for c in levels} for name in contenders}
     agree: dict[str, Any] = {name: {str(c): [] for c in levels} for name in contenders}
-    for c in levels:  # Warm-up: compiles (axcore's shape buckets), fills caches; prompts used nowhere else.
+    for c in warm_levels:  # Warm-up: compiles (axcore's shape buckets), fills caches; prompts used nowhere else.
         warm = prompts_for(lengths[c], seed=10_000 + c, vocab=vocab)
-        for name, fn in contenders.items():  # transformers compiles nothing: one batch warms it.
-            fn(warm[:c] if name == "transformers" else warm, c)
+        for name, fn in contenders.items():  # transformers compiles nothing: one request warms it.
+            fn(warm[:1] if name == "transformers" else warm, c)
     for round_ in range(rounds):
         for c in levels:
             work = prompts_for(lengths[c], seed=1000 * round_ + c, vocab=vocab)
@@ -380,7 +380,9 @@ def summarize_rounds(raw: dict[str, Any]) -> dict[str, Any]:
 
 def run(quick: bool = False, *, results_dir: pathlib.Path | None = None, rounds: int | None = None,
         work_dir: pathlib.Path | None = None, vllm_python: str | None = None, requests: int | None = None,
-        contenders: tuple[str, ...] = ("axcore", "vllm", "transformers")) -> dict[str, Any]:
+        contenders: tuple[str, ...] = ("axcore", "vllm", "transformers"), axcore_url: str | None = None,
+        vllm_url: str | None = None, warm_levels: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """Runs the comparison; `axcore_url`/`vllm_url` drive servers already running (started as above) instead."""
     rounds = rounds or (1 if quick else 3)
     levels = QUICK_LEVELS if quick else LEVELS
     work = pathlib.Path(work_dir or tempfile.mkdtemp(prefix="serve_throughput-"))
@@ -391,14 +393,18 @@ def run(quick: bool = False, *, results_dir: pathlib.Path | None = None, rounds:
     startup: dict[str, float] = {}
     notes: dict[str, str] = {}
     try:
-        if "axcore" in contenders:
+        if "axcore" in contenders and axcore_url:
+            fns["axcore"] = http_contender(axcore_url)
+        elif "axcore" in contenders:
             port = _free_port()
             proc, url, startup["axcore"] = start_server(*axcore_command(run_dir, port, max(levels)), work, "axcore",
                                                         port)
             servers.append(proc)
             fns["axcore"] = http_contender(url)
         if "vllm" in contenders:
-            if vllm_python and pathlib.Path(vllm_python).exists():
+            if vllm_url:
+                fns["vllm"] = http_contender(vllm_url)
+            elif vllm_python and pathlib.Path(vllm_python).exists():
                 port = _free_port()
                 proc, url, startup["vllm"] = start_server(*vllm_command(vllm_python, hf_dir, port), work, "vllm", port)
                 servers.append(proc)
@@ -409,7 +415,7 @@ def run(quick: bool = False, *, results_dir: pathlib.Path | None = None, rounds:
             fns["transformers"] = transformers_contender(hf_dir)
         header = {"quick": quick, "model": "smoke shape" if quick else "SmolLM-135M shape, random weights, float32",
                   "parameters": count, "rounds": rounds, "levels": list(levels), "server_startup_s": startup,
-                  "notes": notes}
+                  "notes": notes, "warm_levels": list(warm_levels or levels)}
 
         def save(measured: dict[str, Any]) -> None:
             result.update(header, load_average=os.getloadavg(), **measured,
@@ -417,7 +423,7 @@ def run(quick: bool = False, *, results_dir: pathlib.Path | None = None, rounds:
             write_result("serve_throughput", result, results_dir=results_dir)
 
         result: dict[str, Any] = {}
-        measure(fns, levels, rounds, vocab, quick, requests, save)
+        measure(fns, levels, rounds, vocab, quick, requests, save, warm_levels or levels)
     finally:
         for proc in servers:
             stop_server(proc)
@@ -457,11 +463,18 @@ def main(argv: list[str] | None = None) -> int:
                         "holding vLLM's CPU build")
     parser.add_argument("--contenders", nargs="+", default=["axcore", "vllm", "transformers"],
                         choices=["axcore", "vllm", "transformers"])
+    parser.add_argument("--axcore-url", help="drive this running axcore server instead of starting one")
+    parser.add_argument("--vllm-url", help="drive this running vLLM server instead of starting one")
+    parser.add_argument("--warm-up-levels", type=int, nargs="*", default=None,
+                        help="concurrency levels to warm up at (default every level; servers given by URL may be "
+                        "warm already)")
     parser.add_argument("--work-dir", type=pathlib.Path, default=None, help="keep the model, import and logs here")
     parser.add_argument("--results-dir", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
     result = run(args.quick, results_dir=args.results_dir, rounds=args.rounds, work_dir=args.work_dir,
-                 vllm_python=args.vllm_python, requests=args.requests, contenders=tuple(args.contenders))
+                 vllm_python=args.vllm_python, requests=args.requests, contenders=tuple(args.contenders),
+                 axcore_url=args.axcore_url, vllm_url=args.vllm_url,
+                 warm_levels=None if args.warm_up_levels is None else tuple(args.warm_up_levels))
     print(table(result))
     return 0
 
