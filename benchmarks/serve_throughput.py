@@ -381,10 +381,11 @@ def summarize_rounds(raw: dict[str, Any]) -> dict[str, Any]:
 def run(quick: bool = False, *, results_dir: pathlib.Path | None = None, rounds: int | None = None,
         work_dir: pathlib.Path | None = None, vllm_python: str | None = None, requests: int | None = None,
         contenders: tuple[str, ...] = ("axcore", "vllm", "transformers"), axcore_url: str | None = None,
-        vllm_url: str | None = None, warm_levels: tuple[int, ...] | None = None) -> dict[str, Any]:
+        vllm_url: str | None = None, warm_levels: tuple[int, ...] | None = None,
+        levels: tuple[int, ...] | None = None) -> dict[str, Any]:
     """Runs the comparison; `axcore_url`/`vllm_url` drive servers already running (started as above) instead."""
     rounds = rounds or (1 if quick else 3)
-    levels = QUICK_LEVELS if quick else LEVELS
+    levels = tuple(levels or (QUICK_LEVELS if quick else LEVELS))
     work = pathlib.Path(work_dir or tempfile.mkdtemp(prefix="serve_throughput-"))
     work.mkdir(parents=True, exist_ok=True)
     hf_dir, run_dir, vocab, count = prepare(work, quick)
@@ -415,7 +416,7 @@ def run(quick: bool = False, *, results_dir: pathlib.Path | None = None, rounds:
             fns["transformers"] = transformers_contender(hf_dir)
         header = {"quick": quick, "model": "smoke shape" if quick else "SmolLM-135M shape, random weights, float32",
                   "parameters": count, "rounds": rounds, "levels": list(levels), "server_startup_s": startup,
-                  "notes": notes, "warm_levels": list(warm_levels or levels)}
+                  "notes": notes, "warm_levels": list(levels if warm_levels is None else warm_levels)}
 
         def save(measured: dict[str, Any]) -> None:
             result.update(header, load_average=os.getloadavg(), **measured,
@@ -423,7 +424,7 @@ def run(quick: bool = False, *, results_dir: pathlib.Path | None = None, rounds:
             write_result("serve_throughput", result, results_dir=results_dir)
 
         result: dict[str, Any] = {}
-        measure(fns, levels, rounds, vocab, quick, requests, save, warm_levels or levels)
+        measure(fns, levels, rounds, vocab, quick, requests, save, levels if warm_levels is None else warm_levels)
     finally:
         for proc in servers:
             stop_server(proc)
@@ -466,15 +467,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--axcore-url", help="drive this running axcore server instead of starting one")
     parser.add_argument("--vllm-url", help="drive this running vLLM server instead of starting one")
     parser.add_argument("--warm-up-levels", type=int, nargs="*", default=None,
-                        help="concurrency levels to warm up at (default every level; servers given by URL may be "
-                        "warm already)")
+                        help="concurrency levels to warm up at (default every level; none with no value: servers "
+                        "given by URL may be warm already)")
+    parser.add_argument("--levels", type=int, nargs="+", default=None, help="concurrency levels (default 1 8 32)")
     parser.add_argument("--work-dir", type=pathlib.Path, default=None, help="keep the model, import and logs here")
     parser.add_argument("--results-dir", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
     result = run(args.quick, results_dir=args.results_dir, rounds=args.rounds, work_dir=args.work_dir,
                  vllm_python=args.vllm_python, requests=args.requests, contenders=tuple(args.contenders),
                  axcore_url=args.axcore_url, vllm_url=args.vllm_url,
-                 warm_levels=None if args.warm_up_levels is None else tuple(args.warm_up_levels))
+                 warm_levels=None if args.warm_up_levels is None else tuple(args.warm_up_levels),
+                 levels=None if args.levels is None else tuple(args.levels))
     print(table(result))
     return 0
 
