@@ -15,7 +15,22 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from axcore.engine.sampling import SamplingRow
-from axcore.engine.sequence import Row, Sequence
+from axcore.engine.sequence import Row, Sequence, StepPlan
+
+
+def split_by_width(plan: StepPlan) -> list[StepPlan]:
+    """`plan` as the plans of its model calls: decode rows (one token each) apart from prefill chunks.
+
+    Packed together, `[B, T]` pads every decode row to the longest chunk, so a step of 15
+    decodes and one 256-token chunk would compute 16 x 256 positions; as two calls it computes
+    15 + 256. One plan when the rows are all of one kind. Rows keep their order in each part;
+    the first part carries the plan's preemptions.
+    """
+    single = [row for row in plan.rows if len(row.tokens) == 1]
+    chunks = [row for row in plan.rows if len(row.tokens) > 1]
+    if not single or not chunks:
+        return [plan]
+    return [StepPlan(rows=single, preempted=plan.preempted), StepPlan(rows=chunks, preempted=[])]
 
 
 def pack_rows(rows: Seq[Row]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -5,8 +5,10 @@
     async for output in engine.stream(request): ...     # the EngineClient protocol (axcore serve)
 
 One `step()` is: the scheduler plans the rows (`Scheduler.schedule`); they are packed
-into the runner's arrays (`axcore.engine.batch`); ONE model call (`ModelRunner.step`, all
-tokens' logits only when a row computes prompt log-probabilities); the sampler draws a
+into the runner's arrays (`axcore.engine.batch`); one model call (`ModelRunner.step`, all
+tokens' logits only when a row computes prompt log-probabilities), or two when decode rows
+and prefill chunks come together (`batch.split_by_width`: no decode row padded to a long
+chunk); the sampler draws a
 token for every row that ends at its sequence's last known token (`sampling.sample`,
 each row with its own parameters and key); the scheduler records the step
 (`finish_step`: blocks registered, sequences ended on stop tokens and lengths); each
@@ -189,10 +191,12 @@ class Engine:
                 plan = self.scheduler.schedule()
                 if not plan.rows:
                     return []
-                inputs = self._inputs(plan)
-            tokens, logprobs, top_ids, top_lps, prompt_lps = self._run(inputs)
+                parts = packing.split_by_width(plan) if self.config.split_mixed_steps else [plan]
+                inputs = [self._inputs(part) for part in parts]
+            results = [self._run(part_inputs) for part_inputs in inputs]
             with self._lock:
-                return self._record(plan, inputs, tokens, logprobs, top_ids, top_lps, prompt_lps)
+                return [output for part, part_inputs, result in zip(parts, inputs, results)
+                        for output in self._record(part, part_inputs, *result)]
 
     def _inputs(self, plan: StepPlan) -> dict[str, Any]:
         """Everything the model call and the draw need, read from the sequences under the lock."""

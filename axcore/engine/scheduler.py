@@ -1,8 +1,9 @@
 """Continuous batching: which sequences run each step, which chunk each feeds, and their blocks.
 
 The scheduler owns admission, the token budget, preemption and the block allocator; the
-engine owns the model call and sampling. One step is `plan = schedule()`, one model call
-on `plan.rows`, then `finish_step(plan, sampled)`; one plan is in flight at a time.
+engine owns the model call and sampling. One step is `plan = schedule()`, the model call(s)
+on `plan.rows`, then `finish_step(plan, sampled)` (once, or once per part of a plan the engine
+split by row width); one plan is in flight at a time.
 
 Policy (FIFO by arrival, the order of `add` calls; a request's choices rank in index order):
 

@@ -139,6 +139,28 @@ def test_greedy_outputs_equal_transformers_generate(engine, tiny):
 
 
 @pytest.mark.slow  # Compiles the engine's programs (about 10-30 s on 2 loaded cores).
+def test_decodes_beside_a_prefill_chunk_run_as_their_own_model_call(engine, tiny, monkeypatch):
+    """A step with decode rows and a prompt chunk makes two calls, one token per decode row (packed as one
+    [B, T] call, each decode row would pad to the chunk's 14 tokens); tokens stay transformers' greedy ones."""
+    calls = []
+    step = engine.runner.step
+
+    def spy(params, tokens, positions, num_new, *args, **kwargs):
+        calls.append(sorted(num_new.tolist()))
+        return step(params, tokens, positions, num_new, *args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "step", spy)
+    prompts = [prompt(31, 3), prompt(32, 2), prompt(33, 14)]
+    requests = [GenerationRequest(f"split{k}", p, SamplingParams(max_tokens=6, **GREEDY)) for k, p in enumerate(prompts)]
+    outputs = run_until_done(engine, requests, steps_between=(0, 2))
+    for p, out in zip(prompts, outputs):
+        assert out.choices[0].token_ids == hf_greedy(tiny[0], p, 6)
+    assert [2, 3] in calls  # The two short prompts, prefilled together.
+    assert [14] in calls and calls[calls.index([14]) - 1] == [1, 1]  # Their decodes, then the chunk: one step.
+    assert all(kinds == [1] * len(kinds) or 1 not in kinds for kinds in calls)
+
+
+@pytest.mark.slow  # Compiles the engine's programs (about 10-30 s on 2 loaded cores).
 def test_logprobs_equal_the_full_forward(engine, forward):
     """Sampled tokens' log-probabilities, their top 5, and the prompt's, within 1e-4 of log_softmax of the
     full forward's logits over the prompt and the output."""
