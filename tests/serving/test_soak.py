@@ -24,12 +24,18 @@ MALFORMED = [
 ]
 
 
-def plan(count: int, seed: int = 0) -> list[dict]:
-    """`count` requests: kind "good" (streamed or not, base or adapter), "cancel" or "bad"."""
-    rng = random.Random(seed)
+def shuffled_kinds(count: int, rng: random.Random) -> list[str]:
+    """`count` job kinds in a random order: 10% "cancel", 10% "bad", the rest "good"."""
     kinds = ["cancel"] * (count // 10) + ["bad"] * (count // 10)
     kinds += ["good"] * (count - len(kinds))
     rng.shuffle(kinds)
+    return kinds
+
+
+def plan(count: int, seed: int = 0) -> list[dict]:
+    """`count` requests: kind "good" (streamed or not, base or adapter), "cancel" or "bad"."""
+    rng = random.Random(seed)
+    kinds = shuffled_kinds(count, rng)
     jobs = []
     for i, kind in enumerate(kinds):
         prompt = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(1, 12)))
@@ -105,9 +111,7 @@ SEEDS = (None, 1)  # None: greedy; 1: drawn at temperature 1 with that seed.
 def engine_plan(count: int, name: str, seed: int = 1) -> list[dict]:
     """`count` jobs for the real engine: good ones from the pools (streamed or not), cancels of 48 tokens, bad."""
     rng = random.Random(seed)
-    kinds = ["cancel"] * (count // 10) + ["bad"] * (count // 10)
-    kinds += ["good"] * (count - len(kinds))
-    rng.shuffle(kinds)
+    kinds = shuffled_kinds(count, rng)
     jobs = []
     for i, kind in enumerate(kinds):
         if kind == "bad":
