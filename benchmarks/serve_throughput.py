@@ -80,11 +80,12 @@ KV_GIB = 2
 _AXCORE_SERVER = r"""
 import sys
 import axcore.cli.serve as serve
-from axcore.engine import Engine, EngineConfig
+from axcore.engine import EngineConfig
+from axcore.inference import load_engine
 config = EngineConfig(max_seqs=int(sys.argv[1]), kv_cache_bytes=int(sys.argv[2]) << 30)
 def build_engine(path, args):
-    return Engine.from_run(path, step=args.step, overrides=args.overrides, objects=args.objects,
-                           name=args.served_model_name, config=config)
+    return load_engine(path, step=args.step, overrides=args.overrides, objects=args.objects,
+                       name=args.served_model_name, config=config)
 serve.build_engine = build_engine
 from axcore.cli import main
 sys.exit(main(sys.argv[3:]))
