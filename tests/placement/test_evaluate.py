@@ -115,7 +115,12 @@ def test_sources_that_hold_nothing_out_are_refused(tmp_path):
 
 def _axcore(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "axcore.cli", *args], capture_output=True, text=True, timeout=600,
-                          cwd=cwd, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          cwd=cwd, env={**_without_xla_flags(), "JAX_PLATFORMS": "cpu"})
+
+
+def _without_xla_flags():
+    """The environment without XLA_FLAGS, which `axcore train` would echo as a first stderr line."""
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
 def _sets(*overrides):

@@ -41,6 +41,7 @@ def test_a_batch_field_the_model_does_not_accept_is_an_error_naming_it(monkeypat
 
 def test_config_checks_data_paths_and_train_refuses_them_in_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # `axcore train` echoes it on stderr first.
     missing = ["--set", "input.source={type: prepared, paths: [data/shards]}"]
     assert cli.main(["config", "default", *missing]) == 0
     last = capsys.readouterr().out.splitlines()[-1]

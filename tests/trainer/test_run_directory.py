@@ -239,6 +239,7 @@ def test_drop_records_after(tmp_path):
 
 def test_a_model_that_cannot_fit_is_refused_before_anything_exists(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # `axcore train` echoes it on stderr first.
     overrides = [*TINY_OVERRIDES, "model.dim=1048576", "model.vocab_size=1024", "trainer.max_steps=1"]  # Width's bound, 2**20.
     assert cli.main(_argv(overrides)) == 2
     err = capsys.readouterr().err.strip()
