@@ -21,6 +21,7 @@ import json
 import math
 import os
 import pathlib
+import sys
 import time
 import warnings
 from collections.abc import Iterable, Mapping
@@ -213,6 +214,29 @@ def read_jsonl_metrics(path: str | os.PathLike[str]) -> list[dict]:
     return records
 
 
+def _tensorboardx():
+    """tensorboardX's `FileWriter`, `Event`, `SessionLog` and `Summary`, imported without PyTorch.
+
+    tensorboardX's package imports `torch` when it is installed (only to accept its tensors
+    in `add_histogram` and the like, which this writer never calls): 3-4 CPU seconds of every
+    run's start on a machine with PyTorch. While tensorboardX is first imported, `torch` is
+    marked absent (its `try: import torch` then falls back to NumPy); a process that already
+    imported torch imports tensorboardX as it is. Imported here so that importing axcore
+    never imports tensorboardX.
+    """
+    block = "tensorboardX" not in sys.modules and "torch" not in sys.modules
+    if block:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
+    try:
+        from tensorboardX import FileWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.proto.summary_pb2 import Summary
+    finally:
+        if block and sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return FileWriter, Event, SessionLog, Summary
+
+
 class TensorBoardWriter:
     """Writes scalars to TensorBoard event files in `logdir` (through tensorboardX).
 
@@ -225,10 +249,7 @@ class TensorBoardWriter:
     def __init__(self, logdir: str | os.PathLike[str], *, flush_secs: float = 10.0, purge_step: int | None = None):
         """`purge_step`: TensorBoard hides the events of this step and later ones already in `logdir`
         (written before an interruption; a run resumed from step s passes s + 1)."""
-        # Imported here so that importing axcore never imports tensorboardX.
-        from tensorboardX import FileWriter
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
-        from tensorboardX.proto.summary_pb2 import Summary
+        FileWriter, Event, SessionLog, Summary = _tensorboardx()
 
         self.logdir = pathlib.Path(logdir)
         self._summary = Summary

@@ -1,5 +1,6 @@
 """Metrics writers: JSONL round trip, TensorBoard files read by TensorBoard itself, fan-out."""
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -124,6 +125,29 @@ def test_tensorboard_event_files_read_back_by_tensorboard(tmp_path):
             [e.value for e in events], [v for _, v in expected], rtol=1e-6)
     last = acc.Scalars("train/loss")[-1]
     assert last.step == 7 and math.isnan(last.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch installed (the test extra has it)")
+def test_tensorboard_writer_does_not_import_torch_and_torch_still_imports_after(tmp_path):
+    # tensorboardX imports torch when it is installed (3-4 CPU seconds of every run's start);
+    # the writer imports it with torch marked absent, and leaves torch importable afterwards.
+    code = textwrap.dedent(f"""
+        import sys
+        from axcore.observe import TensorBoardWriter
+        writer = TensorBoardWriter({str(tmp_path / "tb")!r})
+        writer.write(1, {{"train/loss": 2.5}})
+        writer.close()
+        assert "torch" not in sys.modules, "tensorboardX imported torch"
+        import torch, tensorboardX.writer
+        assert tensorboardX.writer.numpy_compatible is __import__("numpy").ndarray
+        assert torch.ones(2).sum().item() == 2.0
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True)
+    from tensorboard.backend.event_processing import event_accumulator
+
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.5)]
 
 
 def test_multi_writer_fans_out_and_closes_all(tmp_path):
