@@ -1,4 +1,4 @@
-"""The `gpu` plugin (entry point `gpu`): cuDNN and Pallas attention, RMSNorm kernels, GPU mesh rules, XLA flags
+"""The `gpu` plugin (entry point `gpu`): cuDNN and Pallas attention, a Pallas paged decode kernel, RMSNorm kernels, GPU mesh rules, XLA flags
 and the CUDA driver's environment.
 
 Autoloaded on a GPU machine (the platform is `gpu`), which registers its kernels and
@@ -17,12 +17,16 @@ from axcore_gpu.cudnn_attention import CudnnAttention
 from axcore_gpu.fused_norm import FusedVjpRMSNorm, PallasRMSNorm
 from axcore_gpu.mesh_rules import gpu_mesh_rules
 from axcore_gpu.pallas_attention import PallasAttention
+from axcore_gpu.pallas_paged_attention import PallasPagedDecode
 from axcore_gpu.xla_flags import gpu_runtime_environment, gpu_xla_flags, probe_instance_type
 
 # The `rms_norm` kernels (fused_norm.py) have not been timed on a GPU either: below the XLA
 # reference until they have, so they run only where forced (`kernels: {rms_norm: pallas}`).
 FUSED_VJP_NORM_PRIORITY_UNTIL_TIMED = -5
 PALLAS_NORM_PRIORITY_UNTIL_TIMED = -10
+# The engine's decode kernel (pallas_paged_attention.py) checked in interpret mode and lowered to
+# Triton on CPU only: below the XLA reference until timed on a GPU.
+PALLAS_PAGED_DECODE_PRIORITY_UNTIL_TIMED = -5
 
 
 @hookimpl
@@ -37,6 +41,7 @@ def axcore_register_attention_kernels(register):
 def axcore_register_kernels(register):
     register("rms_norm", FusedVjpRMSNorm(priority=FUSED_VJP_NORM_PRIORITY_UNTIL_TIMED))
     register("rms_norm", PallasRMSNorm(priority=PALLAS_NORM_PRIORITY_UNTIL_TIMED))
+    register("paged_attention", PallasPagedDecode(priority=PALLAS_PAGED_DECODE_PRIORITY_UNTIL_TIMED))
 
 
 @hookimpl
