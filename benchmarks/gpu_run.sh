@@ -13,7 +13,7 @@
 # $OUT/results.tgz after every stage, so a run cut short still returns what it measured.
 # Stage options come from the environment: VARIANTS (gpu_variants contenders), PALLAS
 # (gpu_attention option sets), PALLAS_OPTIONS (one set for gpu_variants; default: the attention
-# stage's fastest), VARIANT_ARGS, DISPATCH_ARGS, PYTEST_ARGS.
+# stage's fastest), VARIANT_ARGS, DISPATCH_ARGS, DECODE_ARGS (gpu_decode), PYTEST_ARGS.
 set -u
 LIMIT=${1:?seconds}; shift
 OUT=${OUT:-/tmp/gpu-out}
@@ -61,6 +61,7 @@ for s in "$@"; do
         python3 -m benchmarks.gpu_dispatch --tag no_command_buffer ${DISPATCH_ARGS:-} ;;
     probes) stage probes 120 python3 -m benchmarks.gpu_probes ;;
     profile) stage profile 120 python3 -m benchmarks.gpu_profile --contender axcore ;;
+    decode) stage decode 150 python3 -m benchmarks.gpu_decode ${DECODE_ARGS:-} ;;
     step) stage step 150 python3 -m benchmarks.gpu_step --attention auto --steps-per-round 10 --rounds 5 ;;
     *) log "unknown stage $s" ;;
   esac
