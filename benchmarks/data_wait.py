@@ -25,16 +25,19 @@ from benchmarks.common import summarize, write_result
 NAME = "data_wait"
 # data_wait / step time must stay below this.
 TARGET = 0.02
+# Smoke mode's model: small enough that 20 steps take seconds (the numbers mean little there anyway).
+SMOKE_OVERRIDES = ["model.dim=64", "model.num_layers=1", "model.decoder.layer.feed_forward.hidden_dim=128",
+                   "input.seq_len=64", "model.position_embedding.max_len=64"]
 
 
-def train_once(steps: int, packing: str, run_dir: pathlib.Path) -> list[dict]:
-    """The metrics records of one `axcore train default` run of `steps` steps."""
+def train_once(steps: int, packing: str, run_dir: pathlib.Path, extra: list[str] = ()) -> list[dict]:
+    """The metrics records of one `axcore train default` run of `steps` steps (`extra`: more overrides)."""
     from axcore.observe import read_jsonl_metrics
 
     overrides = [
         f"trainer.max_steps={steps}", "trainer.log_every=10", "trainer.eval_every=0", f"trainer.run_dir={run_dir}",
         "trainer.checkpoint.every_n_steps=0", "trainer.sample.num_tokens=0", f"input.packing={packing}",
-        "trainer.metrics_writers=[{type: jsonl}]",
+        "trainer.metrics_writers=[{type: jsonl}]", *extra,
     ]
     command = [sys.executable, "-m", "axcore.cli", "train", "default", *[a for o in overrides for a in ("--set", o)]]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -46,7 +49,7 @@ def run(smoke: bool = False, results_dir: pathlib.Path | None = None, *, steps: 
     """Trains once, writes data_wait.json; returns the result."""
     steps = steps or (20 if smoke else 100)
     with tempfile.TemporaryDirectory(prefix="axcore-data-wait-") as tmp:
-        records = train_once(steps, packing, pathlib.Path(tmp) / "run")
+        records = train_once(steps, packing, pathlib.Path(tmp) / "run", SMOKE_OVERRIDES if smoke else [])
     intervals = [r for r in records if "train/data_wait_fraction" in r]
     first, rest = intervals[0], intervals[1:] or intervals
     fractions = [r["train/data_wait_fraction"] for r in rest]
@@ -56,7 +59,8 @@ def run(smoke: bool = False, results_dir: pathlib.Path | None = None, *, steps: 
     median = summarize(fractions)["median"]
     data = {
         "smoke": smoke,
-        "setup": {"experiment": "default", "steps": steps, "packing": packing, "log_every": 10},
+        "setup": {"experiment": "default", "steps": steps, "packing": packing, "log_every": 10,
+                  "overrides": SMOKE_OVERRIDES if smoke else []},
         "first_interval": {"data_wait_fraction": first["train/data_wait_fraction"], "step_time_s": first["train/step_time"]},
         "data_wait_fraction": summarize(fractions),
         "data_wait_s": summarize(waits),
