@@ -1,4 +1,4 @@
-"""`axcore train` runs the shipped `rl` experiment: GRPO (and online DPO) on a tiny model from scratch, rollouts on
+"""`axcore train` runs the shipped `rl` experiment: GRPO and online DPO on a tiny model from scratch, rollouts on
 the engine from the live train state, metrics per step, checkpoints and a bit-identical resume; bad settings are one
 line naming the field.
 
@@ -21,6 +21,7 @@ from axcore.experiment import load_experiment
 from axcore.observe import read_jsonl_metrics
 from axcore.trainer.trainer import Trainer
 
+import axcore_dpo.plugin
 import axcore_rl.plugin
 from axcore_rl import generate_tasks, write_jsonl
 
@@ -48,7 +49,7 @@ class CharsPlugin:
         register("chars", Chars)
 
 
-OBJECTS = {"rl": axcore_rl.plugin, "chars": CharsPlugin()}
+OBJECTS = {"rl": axcore_rl.plugin, "dpo": axcore_dpo.plugin, "chars": CharsPlugin()}
 PROMPTS, G = 16, 8
 
 
@@ -162,3 +163,16 @@ def test_the_prompts_source_repeats_each_prompt_group_size_times_and_finds_its_s
         sample = source.sample(tokens.pop())
         assert Chars().decode(docs[group * G]["tokens"]) == sample["prompt"]
         assert int(sample["answer"]) == sum(int(x) for x in sample["prompt"][:-1].split("+"))
+
+
+def test_online_dpo_learns_from_best_and_worst_completions_and_the_reward_rises(tmp_path):
+    run_dir = tmp_path / "run"
+    exp = rl_run(tmp_path, 40, run_dir, "rl.algorithm=online_dpo", "rl.updates_per_rollout=1",
+                 "trainer.objective={type: dpo, beta: 0.1, precomputed_reference: true}", plugins="rl, dpo, chars")
+    assert exp.config.trainer.objective.precomputed_reference
+    Trainer(exp).run()
+    logged = metrics(run_dir)
+    rewards = [logged[s]["rl/reward_mean"] for s in range(1, 41)]
+    assert abs(logged[1]["train/loss"] - np.log(2)) < 1e-6  # Step 1: policy = reference, every pair's margin 0.
+    assert all(0 < logged[s]["rl/pairs"] <= PROMPTS for s in logged) and "train/reward_margin" in logged[1]
+    assert rewards[0] < 0.2 and np.mean(rewards[-10:]) > 0.5, np.round(rewards, 3)
