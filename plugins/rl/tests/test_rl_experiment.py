@@ -8,6 +8,8 @@ tokenizer this test registers), so an answer is one token, as in test_rl_trainin
 import io
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -113,6 +115,16 @@ def test_a_resumed_rl_run_computes_what_the_run_that_was_not_stopped_did(tmp_pat
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_an_rl_run_starts_from_another_runs_parameters_with_init_from(tmp_path):
+    base, run_dir = tmp_path / "base", tmp_path / "run"
+    Trainer(rl_run(tmp_path, 2, base)).run()
+    log = io.StringIO()
+    Trainer(rl_run(tmp_path, 1, run_dir, f"init_from={base}"), stream=log).run()
+    assert f"Initialized from step 2 of {base}" in log.getvalue()
+    # The engine sampled the parameters the learner started from (the base run's), not a fresh initialization.
+    assert metrics(run_dir)[1]["train/max_logprob_gap"] < 1e-5
+
+
 def _axcore(*args):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # axcore train would echo it on stderr first.
     return subprocess.run([sys.executable, "-m", "axcore.cli", *args], capture_output=True, text=True, timeout=600,
@@ -176,3 +188,18 @@ def test_online_dpo_learns_from_best_and_worst_completions_and_the_reward_rises(
     assert abs(logged[1]["train/loss"] - np.log(2)) < 1e-6  # Step 1: policy = reference, every pair's margin 0.
     assert all(0 < logged[s]["rl/pairs"] <= PROMPTS for s in logged) and "train/reward_margin" in logged[1]
     assert rewards[0] < 0.2 and np.mean(rewards[-10:]) > 0.5, np.round(rewards, 3)
+
+
+def test_the_experiment_files_of_docs_rl_md_resolve(tmp_path, monkeypatch):
+    doc = (pathlib.Path(__file__).parents[3] / "docs" / "rl.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", doc, re.S)
+    write_jsonl(str(tmp_path / "tasks.jsonl"), generate_tasks("arithmetic", 4, seed=0))
+    grpo, dpo = (tmp_path / "grpo.yaml"), (tmp_path / "dpo.yaml")
+    grpo.write_text(blocks[0])
+    dpo.write_text(blocks[1] + "input: {source: {type: prompts, paths: [tasks.jsonl]}, batch_size: 8, packing: none, "
+                               "shuffle: false, long_documents: error}\n")
+    monkeypatch.chdir(tmp_path)
+    exp = load_experiment(str(grpo), [])
+    assert exp.settings["rl"].rewards[1].pattern == r".*\d+" and exp.config.input.source.repeat == 8
+    exp = load_experiment(str(dpo), ["trainer.eval_every=0"])  # The rest of the first file, as the doc says.
+    assert exp.settings["rl"].algorithm.value == "online_dpo" and exp.config.trainer.objective.precomputed_reference
