@@ -1,5 +1,5 @@
 """The rl plugin: the `grpo` objective, the `rewards` registry family (its own hookspec), the built-in rewards,
-the `prompts` data source, the rollout stage of `axcore train` and the shipped experiment `rl`.
+the `prompts` data source and the rollout stage of `axcore train` (an example experiment: plugins/rl/examples/rl.yaml).
 
 `plugins: [rl]` with `trainer.objective: {type: grpo, ...}`; rewards are found in
 `registries.rewards` by name (`exact_match`, `format`, `python`, and those of other
@@ -12,8 +12,6 @@ sets `input.source.repeat` to `rl.group_size`; it leaves any other config as it 
 """
 
 from __future__ import annotations
-
-import importlib.resources
 
 import axcore
 from axcore.config import is_config_of, replace
@@ -50,11 +48,6 @@ def axcore_register_data_sources(register):
 @axcore.hookimpl
 def axcore_register_loop_hooks(register):
     register("rollouts", RolloutStage)
-
-
-@axcore.hookimpl
-def axcore_register_experiments(register):
-    register("rl", importlib.resources.files("axcore_rl") / "rl.yaml")
 
 
 @axcore.hookimpl

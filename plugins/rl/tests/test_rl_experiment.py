@@ -1,4 +1,4 @@
-"""`axcore train` runs the shipped `rl` experiment: GRPO and online DPO on a tiny model from scratch, rollouts on
+"""`axcore train` runs the example `rl` experiment (plugins/rl/examples/rl.yaml): GRPO and online DPO on a tiny model from scratch, rollouts on
 the engine from the live train state, metrics per step, checkpoints and a bit-identical resume; bad settings are one
 line naming the field.
 
@@ -51,6 +51,7 @@ class CharsPlugin:
         register("chars", Chars)
 
 
+EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "rl.yaml"
 OBJECTS = {"rl": axcore_rl.plugin, "dpo": axcore_dpo.plugin, "chars": CharsPlugin()}
 PROMPTS, G = 16, 8
 
@@ -60,7 +61,7 @@ def rl_run(tmp_path, steps, run_dir, *extra, plugins="rl, chars"):
     tasks = tmp_path / "tasks.jsonl"
     if not tasks.exists():
         write_jsonl(str(tasks), generate_tasks("arithmetic", 256, seed=0, max_sum=5))
-    return load_experiment("rl", [
+    return load_experiment(str(EXAMPLE), [
         f"plugins=[{plugins}]", "tokenizer.type=chars", "model.vocab_size=12", "model.dim=32", "model.num_layers=2",
         "model.position_embedding.max_len=16", "model.decoder.layer.self_attention.num_heads=2",
         "model.decoder.layer.feed_forward.hidden_dim=64", f"input.source.paths=[{tasks}]", "input.source.chat=false",
@@ -134,7 +135,7 @@ def _axcore(*args):
 def test_a_group_of_one_completion_is_one_line_naming_the_field(tmp_path):
     tasks = tmp_path / "tasks.jsonl"
     write_jsonl(str(tasks), generate_tasks("arithmetic", 4, seed=0))
-    done = _axcore("train", "rl", "--set", f"input.source.paths=[{tasks}]", "--set", "rl.group_size=1",
+    done = _axcore("train", str(EXAMPLE), "--set", f"input.source.paths=[{tasks}]", "--set", "rl.group_size=1",
                    "--set", f"trainer.run_dir={tmp_path / 'run'}")
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and "'rl.group_size' is 1; sample at least 2" in done.stderr, done.stderr
