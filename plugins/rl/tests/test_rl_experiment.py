@@ -191,7 +191,7 @@ def test_online_dpo_learns_from_best_and_worst_completions_and_the_reward_rises(
     assert rewards[0] < 0.2 and np.mean(rewards[-10:]) > 0.5, np.round(rewards, 3)
 
 
-def test_the_experiment_files_of_docs_rl_md_resolve(tmp_path, monkeypatch):
+def test_the_example_and_the_experiment_files_of_docs_rl_md_resolve(tmp_path, monkeypatch):
     doc = (pathlib.Path(__file__).parents[3] / "docs" / "rl.md").read_text()
     blocks = re.findall(r"```yaml\n(.*?)```", doc, re.S)
     write_jsonl(str(tmp_path / "tasks.jsonl"), generate_tasks("arithmetic", 4, seed=0))
@@ -204,3 +204,5 @@ def test_the_experiment_files_of_docs_rl_md_resolve(tmp_path, monkeypatch):
     assert exp.settings["rl"].rewards[1].pattern == r".*\d+" and exp.config.input.source.repeat == 8
     exp = load_experiment(str(dpo), ["trainer.eval_every=0"])  # The rest of the first file, as the doc says.
     assert exp.settings["rl"].algorithm.value == "online_dpo" and exp.config.trainer.objective.precomputed_reference
+    exp = load_experiment(str(EXAMPLE), [])  # The example file as it ships.
+    assert exp.config.input.batch_size == 64 and exp.config.input.source.repeat == exp.settings["rl"].group_size == 8
