@@ -29,6 +29,12 @@ where it is shaped like them (else replicated), saved and restored with every
 checkpoint, and passed to `loss` as `state`, never differentiated nor updated. The
 default `init_state` returns None and the train state has no `"objective"` entry.
 
+Fields beyond the input pipeline's (`batch_fields`): an objective that reads more than
+`axcore.data.schema.BATCH_SCHEMA` (e.g. the sampler's log-probabilities of rollout rows)
+declares each as a `BatchField` (`[batch, seq]`, a dtype); the train step is compiled
+ahead for the batch schema plus them, and whatever makes its batches (a loop hook's
+`next_batch`, `axcore.trainer.hooks`) must add them. Default: none.
+
 Evaluation (`eval_sums`) is the held-out measure logged as `eval/loss`; by default the
 model's weighted cross-entropy (`cross_entropy` and `num_tokens` of its `forward`
 metrics), which an objective may replace. It gets no objective state.
@@ -44,6 +50,7 @@ from typing import Any, NamedTuple
 import jax
 
 from axcore.config import Configurable
+from axcore.data.schema import BatchField
 from axcore.module import OutputCollection, functional
 
 
@@ -72,6 +79,10 @@ class Objective(Configurable):
         """
         del params
         return None
+
+    def batch_fields(self) -> tuple[BatchField, ...]:
+        """The `[batch, seq]` fields `loss` reads beyond BATCH_SCHEMA's (module docstring); () by default."""
+        return ()
 
     def loss(
         self, model: Any, params: Any, batch: dict, *, prng_key: jax.Array | None, is_training: bool, state: Any = None

@@ -5,6 +5,14 @@ does around them is call hooks. A hook is any object with some of these methods,
 given the run's public view (`RunView`):
 
 - `on_run_start(run)`: once before the first step (`run.start_step` is known).
+- `next_batch(run) -> LoadedBatch | None`: before each step is dispatched, with
+  `run.state` the train state that step updates (the last dispatched step's, live on
+  the devices) and `run.loader` the device loader: the step's batch (an
+  `axcore.data.device_loader.LoadedBatch` whose `batch` the train step accepts and
+  whose `state` is the input pipeline's position after the data it used), or None to
+  leave it to the next hook and finally to the loader (`next(run.loader)`). The first
+  hook that returns one wins. A stage that makes the step's batch from the live
+  parameters (rollouts) or reuses one batch for several steps implements it.
 - `on_step(run)`: after step `run.step` is dispatched, every `every` steps (the hook's
   `every` attribute, an int; absent or 1: every step). `run.step_metrics` are that
   step's metrics still on the device: reading one (`float(...)`) waits for the step.
@@ -117,6 +125,8 @@ class LoopHook:
     every: int = 1
 
     def on_run_start(self, run: RunView) -> None: ...
+    def next_batch(self, run: RunView) -> Any:
+        return None
     def on_step(self, run: RunView) -> None: ...
     def wants_fetch(self, run: RunView) -> bool:
         return False
@@ -166,6 +176,15 @@ class Hooks:
 
     def run_start(self, run: RunView) -> None:
         self._call("on_run_start", run)
+
+    def next_batch(self, run: RunView) -> Any:
+        """The step's batch: the first hook's `next_batch(run)` that is not None, else `next(run.loader)`."""
+        for hook in self.hooks:
+            method = getattr(hook, "next_batch", None)
+            loaded = method(run) if method is not None else None
+            if loaded is not None:
+                return loaded
+        return next(run.loader)
 
     def run_end(self, run: RunView) -> None:
         self._call("on_run_end", run)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from axcore.data.device_loader import DeviceLoader
+from axcore.data.schema import BatchSchema
 from axcore.kernels import describe_kernel_choices, record_kernel_choices
 from axcore.learning.objectives import Objective
 from axcore.placement.evaluate import EvalTotals, Evaluator
@@ -186,8 +187,12 @@ class TrainStep:
         return jax.jit(self._init_state, out_shardings=self.state_shardings)(key_data)
 
     def abstract_batch(self) -> dict:
-        """One batch (`BATCH_SCHEMA` fields, `[batch_size, seq_len]`) as ShapeDtypeStructs with `batch_sharding`."""
-        return self.placement.abstract_batch()
+        """One batch (`BATCH_SCHEMA` fields plus the objective's `batch_fields`, `[batch_size, seq_len]`) as
+        ShapeDtypeStructs with `batch_sharding`."""
+        batch = self.placement.abstract_batch()
+        extra = BatchSchema(self.objective.batch_fields())
+        batch.update(extra.shapes(self.cfg.input.batch_size, self.cfg.input.seq_len, self.batch_sharding))
+        return batch
 
     # -- Steps ------------------------------------------------------------------------
 

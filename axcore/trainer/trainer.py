@@ -305,7 +305,7 @@ class Trainer:
                                        start_step=run.start_step)
             self._interrupt.install()
             fetched = True
-            for dispatched in self._steps(run, train_step):
+            for dispatched in self._steps(run, train_step, hooks):
                 if fetched:  # Step time counts from the first step after a fetch (eval and saving excluded).
                     run.interval_start = dispatched.started
                 run.step, run.state, run.step_metrics = dispatched.step, dispatched.state, dispatched.metrics
@@ -327,13 +327,15 @@ class Trainer:
         return TrainResult(self.run_dir, int(run.state["step"]), run.metrics.get("train/loss"), run.eval_loss,
                            run.results.get(SAMPLE, ""))
 
-    def _steps(self, run: RunView, train_step) -> Iterator[Dispatched]:
-        """Loads each batch and dispatches its step, from the step after `run.start_step` to `trainer.max_steps`."""
+    def _steps(self, run: RunView, train_step, hooks: Hooks) -> Iterator[Dispatched]:
+        """Loads each batch (the hooks' `next_batch`, else the loader's) and dispatches its step, from the step
+        after `run.start_step` to `trainer.max_steps`."""
         self._read = [0, 0]  # Rows and non-padding tokens of the batches this process's steps consumed.
         state = run.state
         for step in range(run.start_step + 1, self.cfg.trainer.max_steps + 1):
             started = time.perf_counter()
-            loaded = next(run.loader)
+            run.state = state  # The state this step updates, for a hook's next_batch.
+            loaded = hooks.next_batch(run)
             self._read[0], self._read[1] = self._read[0] + loaded.rows, self._read[1] + loaded.tokens
             state, metrics = train_step(state, loaded.batch)
             yield Dispatched(step, state, metrics, loaded.state, started)

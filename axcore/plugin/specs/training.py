@@ -115,7 +115,8 @@ def axcore_register_loop_hooks(register: RegisterComponent) -> None:
     Args:
         register: `register(name, factory, *, override=False)`; `factory()` (no
             argument, e.g. the hook's class) makes one hook per `Trainer`: an object
-            with any of `on_run_start(run)`, `on_step(run)` (every `hook.every` steps),
+            with any of `on_run_start(run)`, `next_batch(run)` (the step's batch instead of
+            the loader's, or None; the first hook to give one wins), `on_step(run)` (every `hook.every` steps),
             `wants_fetch(run)`, `on_fetch(run)`, `on_eval(run)`, `on_record(run)`,
             `on_run_end(run)`, `on_run_stopped(run, error)`, each given the run's
             public view (`axcore.trainer.hooks.RunView`: step, metrics, step object,
@@ -125,5 +126,6 @@ def axcore_register_loop_hooks(register: RegisterComponent) -> None:
     duplicate-name rule). The loop runs its own hooks first (`LOOP_HOOKS`: watchdog,
     fetch, progress, evaluation, metrics_log, checkpoint, interrupt), then the others
     (`Trainer.callbacks`) in registration order: the built-ins `loss_plot` and `sample`,
-    then the plugins' hooks in `plugins:` order. Added in plugin API 1.4.
+    then the plugins' hooks in `plugins:` order. Added in plugin API 1.4 (the
+    `next_batch` phase later, the hookspec unchanged: a hook without it works as before).
     """

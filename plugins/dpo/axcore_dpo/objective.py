@@ -23,6 +23,11 @@ reference is the policy's parameters with every leaf whose '/'-joined path the r
 matches set to zero, e.g. `lora_b` with the lora plugin (B = 0 is the base model, so the
 reference costs one more forward pass and no memory). The reference pass runs without
 dropout and its log-probabilities are gradient-stopped.
+
+With `precomputed_reference: true` the objective runs no reference pass: the batch
+carries `ref_logprobs` `[rows, seq]` float32, the reference's log-probability of each
+target (a declared batch field, `batch_fields`), which whatever makes the batches
+computes once per batch (the rl plugin's online DPO, reused over several updates).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import jax.numpy as jnp
 
 from axcore import AxcoreError
 from axcore.config import Positive
+from axcore.data.schema import BatchField
 from axcore.learning.objectives import Objective, ObjectiveOutput
 from axcore.module import functional
 
@@ -66,6 +72,25 @@ class DPO(Objective):
         # None: a frozen copy of the initial parameters; a regex: the parameters with matching leaves zeroed
         # (e.g. 'lora_b' under the lora plugin: the base model, no copy).
         reference: str | None = None
+        # True: the batch carries the reference's per-token log-probabilities (`ref_logprobs`), computed once per
+        # batch by what makes it (the rl plugin's online DPO); no reference pass in the loss.
+        precomputed_reference: bool = False
+
+    def batch_fields(self) -> tuple[BatchField, ...]:
+        if not self.config.precomputed_reference:
+            return ()
+        return (BatchField("ref_logprobs", "float32", 0.0, doc="the reference's log-probability of each target"),)
+
+    def reference_token_logprobs(self, model: Any, params: Any, batch: dict, state: Any = None) -> jax.Array:
+        """`[rows, seq]` float32: the reference's log-probability of each target (0 where the label is negative;
+        no dropout, no gradient): what `precomputed_reference` batches carry as `ref_logprobs`."""
+        inputs = {k: batch[k] for k in INPUTS}
+        reference_params = jax.lax.stop_gradient(self._reference(params, state))
+        logits, _ = functional(model, reference_params, inputs, None, False, method="logits")
+        labels = batch["target_labels"]
+        logits = logits.astype(jnp.float32)
+        picked = jnp.take_along_axis(logits, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
+        return jax.lax.stop_gradient(jnp.where(labels >= 0, picked - jax.nn.logsumexp(logits, axis=-1), 0.0))
 
     def init_state(self, params: Any) -> Any:
         return {"reference": params} if self.config.reference is None else None
@@ -91,9 +116,15 @@ class DPO(Objective):
             )
         logits, collection = functional(model, params, inputs, prng_key, is_training, method="logits")
         policy = sequence_log_probs(logits, labels, weights)
-        reference_params = jax.lax.stop_gradient(self._reference(params, state))
-        ref_logits, _ = functional(model, reference_params, inputs, None, False, method="logits")
-        reference = jax.lax.stop_gradient(sequence_log_probs(ref_logits, labels, weights))
+        if self.config.precomputed_reference:
+            if "ref_logprobs" not in batch:
+                raise DpoError(f"The dpo objective has precomputed_reference: true but the batch has no "
+                               f"'ref_logprobs' (it has {sorted(batch)}); set it false, or make batches that carry it.")
+            reference = jax.lax.stop_gradient(jnp.sum(batch["ref_logprobs"] * weights.astype(jnp.float32), axis=-1))
+        else:
+            reference_params = jax.lax.stop_gradient(self._reference(params, state))
+            ref_logits, _ = functional(model, reference_params, inputs, None, False, method="logits")
+            reference = jax.lax.stop_gradient(sequence_log_probs(ref_logits, labels, weights))
         beta = self.config.beta
         rewards = beta * (policy - reference)
         chosen, rejected = rewards[0::2], rewards[1::2]

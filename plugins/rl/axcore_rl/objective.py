@@ -5,7 +5,8 @@ the prompt then the completion, `[rows, seq]` arrays `input_ids`, `positions`,
 `segment_ids`, `target_labels` and `target_weights` (1 on the completion's targets, 0 on
 the prompt's and on padding), plus `old_logprobs` `[rows, seq]` float32 (the sampler's
 log-probability of each completion token, at its target index; 0 elsewhere),
-`advantages` `[rows]` float32 (`group_advantages`) and, optionally, `ref_logprobs`
+`advantages` `[rows]` float32 (`group_advantages`; or `[rows, seq]`, each token's, as
+`axcore train` batches carry them) and, optionally, `ref_logprobs`
 `[rows, seq]` (the reference's log-probabilities, computed once per rollout batch by
 `reference_logprobs`; without them the loss computes them itself when `beta` > 0).
 
@@ -49,6 +50,7 @@ import numpy as np
 
 from axcore import AxcoreError
 from axcore.config import Positive
+from axcore.data.schema import BatchField
 from axcore.learning.objectives import Objective, ObjectiveOutput
 from axcore.module import functional
 
@@ -132,6 +134,14 @@ class GRPO(Objective):
         cfg = self.config
         return {"reference": params} if cfg.beta > 0 and cfg.reference is None else None
 
+    def batch_fields(self) -> tuple[BatchField, ...]:
+        """`old_logprobs` and `advantages` (`[rows, seq]` under `axcore train`), and `ref_logprobs` with `beta` > 0."""
+        fields = [BatchField("old_logprobs", "float32", 0.0, doc="the sampler's log-probability of each target"),
+                  BatchField("advantages", "float32", 0.0, doc="the advantage of each target's completion")]
+        if self.config.beta > 0:
+            fields.append(BatchField("ref_logprobs", "float32", 0.0, doc="the reference's log-probability of each target"))
+        return tuple(fields)
+
     def reference_logprobs(self, model: Any, params: Any, batch: dict, state: Any = None) -> jax.Array:
         """`[rows, seq]` float32 log-probabilities of the targets under the reference (no dropout, no gradient)."""
         ref = reference_params(params, state, self.config.reference)
@@ -163,10 +173,11 @@ def grpo_loss(logp, old_logprobs, advantages, weights, *, ref_logprobs=None, eps
     """The GRPO loss (module docstring) and its metrics from per-token log-probabilities.
 
     `logp`, `old_logprobs`, `weights` (and `ref_logprobs`, needed when `beta` > 0) `[rows, seq]`;
-    `advantages` `[rows]`. Returns (float32 scalar loss, scalar metrics).
+    `advantages` `[rows]` (or `[rows, seq]`). Returns (float32 scalar loss, scalar metrics).
     """
     mask = weights.astype(jnp.float32)
-    adv = advantages.astype(jnp.float32)[:, None]
+    adv = advantages.astype(jnp.float32)
+    adv = adv if adv.ndim == 2 else adv[:, None]
     ratio = jnp.exp(logp - old_logprobs.astype(jnp.float32))
     high = epsilon if epsilon_high is None else epsilon_high
     unclipped, clipped = ratio * adv, jnp.clip(ratio, 1.0 - epsilon, 1.0 + high) * adv

@@ -2,7 +2,7 @@
 directory, `train_grpo_run(path, prompts, ...)` (the run's model, parameters, tokenizer and end-of-sequence token).
 
 The prompt source is JSONL, one object per line with a prompt and an answer field
-(`load_prompts`; `axcore_rl.tasks.write_jsonl` writes generated tasks in that form).
+(`load_prompts`, `axcore_rl.prompts`; `axcore_rl.tasks.write_jsonl` writes generated tasks in that form).
 With `chat=True` each prompt is a user message rendered with the tokenizer's chat
 template and a generation prompt (`axcore.data.chat.render_prompt`, what `axcore
 generate --chat` feeds), else the prompt text is encoded as is. `trainable` (a regex over
@@ -23,47 +23,13 @@ import jax
 import optax
 
 from axcore import AxcoreError
-from axcore.data.chat import ChatTemplate, render_prompt
 from axcore.data.tokenizer import Tokenizer
 from axcore.engine import Engine, EngineConfig
 
 from axcore_rl.loop import GrpoLoop, LoopSettings
 from axcore_rl.objective import GRPO
+from axcore_rl.prompts import PromptFileError, load_prompts, prompt_encoder
 from axcore_rl.rewards import Reward
-
-
-class PromptFileError(AxcoreError):
-    """A prompt file line that cannot be used (names the file and line, and what to fix)."""
-
-
-def load_prompts(path: str, *, prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict[str, Any]]:
-    """The samples of a JSONL prompt file: each line's object, with string fields `prompt_field` and
-    `answer_field` copied to "prompt" and "answer". Raises PromptFileError naming `path:line`."""
-    samples = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptFileError(f"{path}:{number}: not JSON ({e.msg}).") from None
-            if not isinstance(record, dict) or not all(isinstance(record.get(k), str)
-                                                       for k in (prompt_field, answer_field)):
-                raise PromptFileError(f"{path}:{number}: needs string fields '{prompt_field}' and '{answer_field}'.")
-            samples.append({**record, "prompt": record[prompt_field], "answer": record[answer_field]})
-    if not samples:
-        raise PromptFileError(f"{path}: no prompts; give at least one JSON line.")
-    return samples
-
-
-def prompt_encoder(tokenizer: Tokenizer, *, chat: bool, template: str | None = None):
-    """`encode(prompt text) -> token ids`: the chat-templated user turn with a generation prompt, or the raw text."""
-    if not chat:
-        return lambda text: [int(t) for t in tokenizer.encode(text)]
-    chat_template = ChatTemplate.for_tokenizer(tokenizer, template)
-    return lambda text: [int(t) for t in render_prompt([{"role": "user", "content": text}], tokenizer, chat_template,
-                                                         where="prompt")[1]]
 
 
 def trainable_optimizer(optimizer: optax.GradientTransformation, params: Any,

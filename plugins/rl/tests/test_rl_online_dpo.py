@@ -6,6 +6,7 @@ import math
 import jax
 import numpy as np
 
+from axcore.module import functional
 from axcore.testing import load_tiny_experiment
 
 from axcore_dpo import DPO
@@ -36,3 +37,32 @@ def test_pairs_are_each_prompts_best_then_worst_and_the_dpo_objective_reads_them
     assert float(out.metrics["pairs"]) == 2.0
     empty = preference_batch(rollout, np.ones(9), 8)
     assert empty["input_ids"].shape == (0, 8)
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_the_dpo_loss_on_precomputed_reference_logprobs_equals_numpys_formula():
+    rollout = Rollout(list(PROMPTS), 3, COMPLETIONS, [[-1.0] * len(c) for c in COMPLETIONS], ["length"] * 9, 0.0)
+    batch = preference_batch(rollout, REWARDS, 8)
+    exp = load_tiny_experiment()
+    model = exp.config.model.clone(vocab_size=32).instantiate(name="model", registries=exp.registries)
+    params = model.initialize(jax.random.key(0))
+    ref = np.random.default_rng(0).normal(-3.0, 1.0, batch["target_labels"].shape).astype(np.float32)
+    objective = DPO.default_config().set(beta=0.1, precomputed_reference=True).instantiate()
+    assert [f.name for f in objective.batch_fields()] == ["ref_logprobs"]
+    out = objective.loss(model, params, {**batch, "ref_logprobs": ref}, prng_key=None, is_training=False,
+                         state=objective.init_state(params))
+    logits, _ = functional(model, params, {k: batch[k] for k in ("input_ids", "positions", "segment_ids")}, None,
+                           False, method="logits")
+    labels, weights = batch["target_labels"], batch["target_weights"].astype(np.float64)
+    logp = np.take_along_axis(_log_softmax(logits), np.maximum(labels, 0)[..., None], -1)[..., 0]
+    policy, reference = (logp * weights).sum(-1), (ref.astype(np.float64) * weights).sum(-1)
+    margin = 0.1 * ((policy[0::2] - reference[0::2]) - (policy[1::2] - reference[1::2]))
+    np.testing.assert_allclose(float(out.loss), np.mean(np.log1p(np.exp(-margin))), rtol=1e-5)
+    # What the rollout stage precomputes: the reference's (here the initial parameters') log-probability per target.
+    tokens = objective.reference_token_logprobs(model, params, batch, objective.init_state(params))
+    np.testing.assert_allclose(np.asarray(tokens), np.where(labels >= 0, logp, 0.0), rtol=1e-5, atol=1e-6)
