@@ -179,6 +179,7 @@ def run_axcore(work: pathlib.Path, steps: int, skip: int) -> dict[str, Any]:
 
     built = build(work)
     loop, s = built["loop"], built["settings"]
+    (work / "axcore_steps.jsonl").unlink(missing_ok=True)
     alone = Engine(built["loaded"].model, built["loaded"].params, built["tokenizer"], config=built["engine_config"],
                    eos_token_ids=built["eos"])
     history, engine_only = [], []
@@ -196,13 +197,20 @@ def run_axcore(work: pathlib.Path, steps: int, skip: int) -> dict[str, Any]:
         engine_only.append(replay.seconds)
         history.append(metrics)
         print(json.dumps({"step": step + 1, **{k: round(v, 4) for k, v in metrics.items()}}), flush=True)
+        with open(work / "axcore_steps.jsonl", "a", encoding="utf-8") as f:  # Kept if the run is cut short.
+            f.write(json.dumps({"step": step + 1, **metrics}) + "\n")
     alone.close()
     loop.engine.close()
+    return {**summarize_axcore(history, skip), "wall_seconds": time.perf_counter() - start}
+
+
+def summarize_axcore(history: list[dict[str, float]], skip: int, stopped_early: bool = False) -> dict[str, Any]:
+    """The axcore contender's result from its per-step metrics: medians after the first `skip` steps."""
     steady = history[skip:] or history
     rollout = [m["rollout_seconds"] for m in steady]
     alone_s = [m["engine_only_seconds"] for m in steady]
     return {
-        "contender": "axcore", "steps": steps, "skip": skip, "wall_seconds": time.perf_counter() - start,
+        "contender": "axcore", "steps": len(history), "skip": skip, "stopped_early": stopped_early,
         "per_step": history, "reward_curve": [round(m["reward_mean"], 4) for m in history],
         "rollout_seconds_median": statistics.median(rollout),
         "engine_only_seconds_median": statistics.median(alone_s),
@@ -262,6 +270,22 @@ def run_memory(work: pathlib.Path, steps: int, rounds: int) -> dict[str, Any]:
     return out
 
 
+def headlines(parts: dict[str, Any]) -> list[dict[str, Any]]:
+    """benchmarks.run's summary rows: time per step of each contender, the rollout's overhead, peak memory."""
+    rows = []
+    for name in ("axcore", "trl"):
+        if name in parts:
+            rows.append({"metric": f"{name} seconds per GRPO step (median, {parts[name]['steps']} steps)",
+                         "value": parts[name]["step_seconds_median_after_skip"]})
+    if "axcore" in parts:
+        rows.append({"metric": "rollout in training / engine alone (median of per-step ratios)",
+                     "value": parts["axcore"]["rollout_over_engine_only"]})
+    for variant, runs in parts.get("memory", {}).items():
+        rows.append({"metric": f"peak RSS MiB, {variant}",
+                     "value": statistics.median(r["peak_rss_bytes"] for r in runs) / 2**20})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.rl_135m", description=__doc__.splitlines()[0])
     parser.add_argument("part", choices=["prepare", "axcore", "trl", "memory", "memory-variant", "report"])
@@ -289,8 +313,21 @@ def main(argv: list[str] | None = None) -> None:
     else:
         parts = {name: json.loads((work / f"{name}.json").read_text("utf-8"))
                  for name in ("axcore", "trl", "memory") if (work / f"{name}.json").exists()}
-        result = {"settings": json.loads((work / "settings.json").read_text("utf-8")), **parts,
-                  "load_average": os.getloadavg(), "machine": machine_info()}
+        if "axcore" not in parts and (work / "axcore_steps.jsonl").exists():  # Stopped early: its finished steps.
+            steps = [json.loads(line) for line in (work / "axcore_steps.jsonl").read_text("utf-8").splitlines()]
+            parts["axcore"] = summarize_axcore(steps, args.skip, stopped_early=True)
+        if "trl" not in parts and (work / "trl_steps.jsonl").exists():  # A TRL run stopped early: its finished steps.
+            steps = [json.loads(line) for line in (work / "trl_steps.jsonl").read_text("utf-8").splitlines()]
+            parts["trl"] = {"contender": "trl", "steps": len(steps), "stopped_early": True, "per_step": steps,
+                            "reward_curve": [round(x["reward_mean"], 4) for x in steps]}
+        for name in ("axcore", "trl"):
+            if name in parts:
+                per_step = parts[name]["per_step"][args.skip:]
+                key = "step_seconds" if name == "axcore" else "seconds"
+                parts[name]["step_seconds_median_after_skip"] = statistics.median(x[key] for x in per_step)
+        result = {"benchmark": "rl_135m", "settings": json.loads((work / "settings.json").read_text("utf-8")),
+                  **parts, "headlines": headlines(parts), "load_average_at_report": os.getloadavg(),
+                  "machine": machine_info()}
         print(write_result("rl_135m", result))
 
 
