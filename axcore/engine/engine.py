@@ -281,6 +281,15 @@ class Engine:
                 state.sink(error)
 
 
+def _same_placement(a: Any, b: Any) -> bool:
+    """Whether two leaves lie alike: equal or equivalent shardings (a restored `P(None, None)` is a jitted update's
+    `P()`: the same devices and layout), or neither sharded."""
+    sa, sb = getattr(a, "sharding", None), getattr(b, "sharding", None)
+    if sa is None or sb is None:
+        return sa is sb
+    return sa == sb or sa.is_equivalent_to(sb, np.ndim(a))
+
+
 def check_same_tree(old: Any, new: Any) -> None:
     """EngineError unless `new` has `old`'s tree structure and, leaf by leaf, shape, dtype and sharding."""
     if jax.tree.structure(old) != jax.tree.structure(new):
@@ -289,7 +298,7 @@ def check_same_tree(old: Any, new: Any) -> None:
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(old), jax.tree.leaves(new)):
         where = jax.tree_util.keystr(path)
         same = (np.shape(a), getattr(a, "dtype", None)) == (np.shape(b), getattr(b, "dtype", None))
-        if not same or getattr(a, "sharding", None) != getattr(b, "sharding", None):
+        if not same or not _same_placement(a, b):
             raise EngineError(f"update_weights: parameter {where} is {np.shape(b)} {getattr(b, 'dtype', None)} "
                               f"{getattr(b, 'sharding', None)}, the engine's is {np.shape(a)} "
                               f"{getattr(a, 'dtype', None)} {getattr(a, 'sharding', None)}; pass parameters "

@@ -254,6 +254,21 @@ def test_update_weights_mid_run_recomputes_on_the_new_parameters(engine, forward
         engine.update_weights(old)
 
 
+def test_update_weights_takes_a_jitted_update_of_restored_parameters(engine, forward):
+    # Restored leaves carry NamedSharding P(None, None); a jitted update returns the equivalent P(), which
+    # update_weights refused (so GRPO's first update on a run directory failed).
+    old = engine.params
+    new = jax.jit(lambda p: jax.tree.map(lambda x: x * 0.5, p))(old)
+    assert any(a.sharding != b.sharding for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)))
+    ids = prompt(8, 9)
+    try:
+        engine.update_weights(new)
+        (out,) = engine.generate([GenerationRequest("halved", ids, SamplingParams(max_tokens=3, **GREEDY))])
+        assert out.choices[0].token_ids == full_greedy(forward, new, ids, 3)
+    finally:
+        engine.update_weights(old)
+
+
 def test_the_server_over_the_engine_answers_the_openai_client(engine, tiny):
     """`axcore serve`'s app over the real engine: a completion and a streamed one, both transformers' greedy text."""
     expected = engine.tokenizer.decode(hf_greedy(tiny[0], list(b"Hello"), 6))
