@@ -82,13 +82,20 @@ class GrpoLoop:
     def __init__(self, model: Any, params: Any, objective: GRPO, optimizer: optax.GradientTransformation,
                  engine: Engine, samples: Sequence[dict], encode: Callable[[str], Sequence[int]],
                  decode: Callable[[Sequence[int]], str], rewards: Sequence[Reward], settings: LoopSettings):
+        placed = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+        # Committed where they lie (no copy), as the update's outputs are: a jitted function compiles again
+        # for committed inputs after uncommitted ones.
+        params = jax.device_put(params, placed(params))
         self.model, self.params, self.objective, self.engine = model, params, objective, engine
         self.samples, self.encode, self.decode, self.rewards = list(samples), encode, decode, list(rewards)
         self.settings, self.optimizer = settings, optimizer
-        self.opt_state = optimizer.init(params)
+        state = optimizer.init(params)
+        self.opt_state = jax.device_put(state, placed(state))
         self.objective_state = objective.init_state(params)
         self.step_count = 0
-        self._update = jax.jit(self._update_fn)
+        # The updated parameters and optimizer state keep the shardings they came with (a restored run's
+        # `P(None, None)` leaves came back as the equivalent `P()`, and the second step compiled again).
+        self._update = jax.jit(self._update_fn, out_shardings=(placed(params), placed(self.opt_state), None))
         self._reference = jax.jit(lambda p, b, s: objective.reference_logprobs(model, p, b, s))
 
     def _update_fn(self, params, opt_state, batch, state):
