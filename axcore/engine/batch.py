@@ -1,6 +1,6 @@
 """One step's plan as arrays: the model call's inputs and the sampler's (host side, NumPy).
 
-`pack_rows` lays a `StepPlan`'s rows out in the SHARED INTERFACE of `axcore.engine`
+`split_calls` cuts a step's plan into the plans of its model calls. `pack_rows` lays a `StepPlan`'s rows out in the SHARED INTERFACE of `axcore.engine`
 (`tokens`, `positions`, `num_new`, `block_tables`, unpadded: the `ModelRunner` pads to its
 buckets). `prompt_targets` says, for rows that compute a prompt whose log-probabilities
 were asked, which token each position's logits predict. `sampling_rows` and `history`
@@ -10,27 +10,49 @@ each row's tokens so far.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+import math
+from collections.abc import Callable, Sequence as Seq
 
 import numpy as np
 
 from axcore.engine.sampling import SamplingRow
 from axcore.engine.sequence import Row, Sequence, StepPlan
 
+# What one model call costs beyond its padded positions, in positions: reading every weight once
+# (`split_calls` weighs it against padding when it groups a step's prefill chunks into calls).
+CALL_COST_TOKENS = 64
 
-def split_by_width(plan: StepPlan) -> list[StepPlan]:
-    """`plan` as the plans of its model calls: decode rows (one token each) apart from prefill chunks.
 
-    Packed together, `[B, T]` pads every decode row to the longest chunk, so a step of 15
-    decodes and one 256-token chunk would compute 16 x 256 positions; as two calls it computes
-    15 + 256. One plan when the rows are all of one kind. Rows keep their order in each part;
-    the first part carries the plan's preemptions.
+def split_calls(plan: StepPlan, padded_size: Callable[[int, int], int],
+                call_cost: int = CALL_COST_TOKENS) -> list[StepPlan]:
+    """`plan` as the plans of its model calls: decode rows (one token each) in one call, prefill chunks
+    grouped into the calls that compute the fewest padded positions.
+
+    Packed together, `[B, T]` pads every row to the longest chunk and the rows to a batch
+    bucket: 15 decodes beside one 256-token chunk would compute 16 x 256 positions, and
+    chunks of 9, 233 and 14 tokens 4 x 256. `padded_size(rows, tokens)` is the positions a
+    call of that many rows and longest chunk computes once padded (the runner's buckets,
+    `B * T`); each call also costs `call_cost` positions' worth (it reads every weight once).
+    The chunks, longest first, are cut into consecutive groups minimising the sum (a dynamic
+    programme over at most `max_seqs` rows). The decode call comes first and carries the
+    plan's preemptions; one plan when the rows all decode or there is one chunk and no decode.
     """
     single = [row for row in plan.rows if len(row.tokens) == 1]
-    chunks = [row for row in plan.rows if len(row.tokens) > 1]
-    if not single or not chunks:
+    chunks = sorted((row for row in plan.rows if len(row.tokens) > 1), key=lambda row: -len(row.tokens))
+    if not chunks or (not single and len(chunks) == 1):
         return [plan]
-    return [StepPlan(rows=single, preempted=plan.preempted), StepPlan(rows=chunks, preempted=[])]
+    best, cut = [0] + [math.inf] * len(chunks), [0] * (len(chunks) + 1)
+    for end in range(1, len(chunks) + 1):
+        for first in range(end):
+            cost = best[first] + padded_size(end - first, len(chunks[first].tokens)) + call_cost
+            if cost < best[end]:
+                best[end], cut[end] = cost, first
+    groups, end = [], len(chunks)
+    while end:
+        groups.append(chunks[cut[end]:end])
+        end = cut[end]
+    parts = ([single] if single else []) + groups[::-1]
+    return [StepPlan(rows=rows, preempted=plan.preempted if i == 0 else []) for i, rows in enumerate(parts)]
 
 
 def pack_rows(rows: Seq[Row]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -48,8 +48,9 @@ class EngineConfig:
     max_programs: int = 256
     # Seeds the draws of requests that set no seed (with their arrival rank).
     seed: int = 0
-    # Run a step's decode rows and prefill chunks as two model calls (no decode row padded to a long
-    # chunk); False: one call, whose programs' float32 rounding matches a full forward's more closely.
+    # Run a step's decode rows as one model call and its prefill chunks as the calls that pad least (no
+    # decode row padded to a long chunk; `batch.split_calls`); False: one call, whose programs' float32
+    # rounding matches a full forward's more closely.
     split_mixed_steps: bool = True
 
 
