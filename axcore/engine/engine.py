@@ -191,17 +191,18 @@ class Engine:
                 plan = self.scheduler.schedule()
                 if not plan.rows:
                     return []
-                parts = packing.split_calls(plan, self._padded_size) if self.config.split_mixed_steps else [plan]
+                parts = packing.split_calls(plan, self._call_cost) if self.config.split_mixed_steps else [plan]
                 inputs = [self._inputs(part) for part in parts]
             results = [self._run(part_inputs) for part_inputs in inputs]
             with self._lock:
                 return [output for part, part_inputs, result in zip(parts, inputs, results)
                         for output in self._record(part, part_inputs, *result)]
 
-    def _padded_size(self, rows: int, tokens: int) -> int:
-        """Positions a model call of `rows` rows and a longest chunk of `tokens` computes once padded."""
-        batch, width, _ = self.runner.padded_shape(rows, tokens, 1)
-        return batch * width
+    def _call_cost(self, rows: int, tokens: int, width: int) -> float:
+        """The cost `batch.split_calls` weighs, in positions, of a model call of `rows` rows, a longest chunk
+        of `tokens` and a widest block table of `width` blocks, padded to the runner's buckets."""
+        batch, length, blocks = self.runner.padded_shape(rows, tokens, width)
+        return batch * length + batch * blocks * packing.BLOCK_COST_TOKENS + packing.CALL_COST_TOKENS
 
     def _inputs(self, plan: StepPlan) -> dict[str, Any]:
         """Everything the model call and the draw need, read from the sequences under the lock."""
