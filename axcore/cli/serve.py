@@ -98,11 +98,13 @@ def check_engine_arguments(args: argparse.Namespace) -> None:
 
 
 def engine_config(args: argparse.Namespace):
-    """The `EngineConfig` of the engine flags (the defaults where a flag is not given)."""
+    """The `EngineConfig` of the engine flags (the defaults where a flag is not given or `args` lacks it)."""
     from axcore.engine.config import EngineConfig
 
-    fields = {"max_seqs": args.max_seqs, "max_tokens_per_step": args.max_tokens_per_step,
-              "kv_cache_bytes": None if args.kv_cache_gib is None else int(args.kv_cache_gib * (1 << 30))}
+    gib = getattr(args, "kv_cache_gib", None)  # Namespaces built by callers may lack the engine flags.
+    fields = {"max_seqs": getattr(args, "max_seqs", None), "max_tokens_per_step": getattr(args, "max_tokens_per_step",
+                                                                                          None),
+              "kv_cache_bytes": None if gib is None else int(gib * (1 << 30))}
     return EngineConfig(**{name: value for name, value in fields.items() if value is not None})
 
 
