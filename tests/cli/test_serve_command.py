@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from axcore.cli import main
-from axcore.cli.serve import load_frontend
+from axcore.cli.serve import engine_config, load_frontend
 from axcore.data.chat import ChatTemplate
 from axcore.experiment import load_experiment
 from axcore.serving import RequestError
@@ -20,6 +20,12 @@ BAD_FLAGS = [
     (["--drain-timeout", "-1"], "--drain-timeout must be >= 0"),
     (["--api-key", " "], "--api-key is empty"),
     (["--lora", "sql"], "--lora 'sql' is not NAME=PATH"),
+    (["--max-seqs", "0"], "--max-seqs must be >= 1, got 0"),
+    (["--kv-cache-gib", "0"], "--kv-cache-gib must be a positive number of GiB, got 0.0"),
+    (["--kv-cache-gib", "nan"], "--kv-cache-gib must be a positive number of GiB, got nan"),
+    (["--max-tokens-per-step", "-3"], "--max-tokens-per-step must be >= 1, got -3"),
+    (["--max-seqs", "300"], "--max-tokens-per-step 256 is below --max-seqs 300"),
+    (["--max-seqs", "8", "--max-tokens-per-step", "4"], "--max-tokens-per-step 4 is below --max-seqs 8"),
     (["--lora", "a=runs/x", "--lora", "a=runs/y"], "--lora 'a=runs/y': the name 'a' is taken"),
 ]
 
@@ -46,6 +52,16 @@ def test_loopback_hosts_pass_and_others_need_allow_remote():
         with pytest.raises(ServeError, match="--allow-remote"):
             check_host(host, allow_remote=False)
         check_host(host, allow_remote=True)
+
+
+def test_the_engine_flags_set_the_engines_config(tmp_path):
+    """Each flag sets its EngineConfig field; a flag not given keeps EngineConfig's default."""
+    from axcore.engine import EngineConfig
+
+    args = argparse.Namespace(max_seqs=32, kv_cache_gib=0.5, max_tokens_per_step=512)
+    assert engine_config(args) == EngineConfig(max_seqs=32, kv_cache_bytes=512 * 1024 * 1024, max_tokens_per_step=512)
+    assert engine_config(argparse.Namespace(max_seqs=None, kv_cache_gib=None, max_tokens_per_step=None)) == \
+        EngineConfig()
 
 
 def _args(**kwargs):
