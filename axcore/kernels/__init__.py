@@ -5,6 +5,7 @@ from axcore.kernels.attention import ATTENTION, AttentionProblem, XlaAttention, 
 from axcore.kernels.dot import DOT, DotProblem, XlaCpuDot, XlaDot, dot_problem, reference_dot
 from axcore.kernels.norm import RMS_NORM, RMSNormProblem, XlaRMSNorm, reference_rms_norm, rms_norm_problem
 from axcore.kernels.paged_attention import PAGED_ATTENTION, PagedAttentionProblem, XlaPagedAttention
+from axcore.kernels.paged_decode_cpu import XlaCpuPagedDecode
 from axcore.kernels.registry import (
     SUPPORTED,
     Kernel,
@@ -45,6 +46,7 @@ __all__ = [
     "Support",
     "XlaAttention",
     "XlaCpuDot",
+    "XlaCpuPagedDecode",
     "XlaDot",
     "XlaPagedAttention",
     "XlaRMSNorm",

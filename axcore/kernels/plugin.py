@@ -1,11 +1,12 @@
-"""Built-in plugin: the `dot`, `attention`, `paged_attention` and `rms_norm` ops (with their XLA reference kernels)
-and the XLA:CPU dot kernel."""
+"""Built-in plugin: the `dot`, `attention`, `paged_attention` and `rms_norm` ops (with their XLA reference kernels),
+the XLA:CPU dot kernel and the XLA:CPU paged decode kernel."""
 
 from axcore.kernels.attention import ATTENTION
 from axcore.kernels.attention_context import CONTEXT_KERNELS
 from axcore.kernels.dot import DOT, XlaCpuDot
 from axcore.kernels.norm import RMS_NORM
 from axcore.kernels.paged_attention import PAGED_ATTENTION
+from axcore.kernels.paged_decode_cpu import XlaCpuPagedDecode
 from axcore.markers import hookimpl
 
 
@@ -20,6 +21,7 @@ def axcore_register_ops(register):
 @hookimpl
 def axcore_register_kernels(register):
     register(DOT, XlaCpuDot())
+    register(PAGED_ATTENTION, XlaCpuPagedDecode())
 
 
 @hookimpl

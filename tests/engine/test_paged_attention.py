@@ -1,5 +1,5 @@
-"""The `paged_attention` op's XLA reference kernel against NumPy dense attention, its slots, its registration,
-and the paged check failing a kernel that drops the sliding window."""
+"""The `paged_attention` op's XLA reference kernel and the XLA:CPU decode kernel against NumPy dense attention,
+the slots, their registration and selection, and the paged check failing a kernel that drops the sliding window."""
 
 import dataclasses
 
@@ -11,7 +11,7 @@ import pytest
 import axcore
 from axcore.experiment import load_experiment
 from axcore.experiment.builtins import create_plugin_manager
-from axcore.kernels import PAGED_ATTENTION, PagedAttentionProblem, Support, XlaPagedAttention
+from axcore.kernels import PAGED_ATTENTION, PagedAttentionProblem, Support, XlaCpuPagedDecode, XlaPagedAttention
 from axcore.kernels.paged_attention import paged_slots
 from axcore.layers.transformer import TransformerLayer
 from axcore.testing import TINY_OVERRIDES
@@ -26,6 +26,8 @@ class Case:
     window: int | None = None
     softcap: float | None = None
     slopes: bool = False
+    # A position bias through `bias_fn` (the same for every head): -0.05 * (p - j)^2.
+    squared_bias: bool = False
     dtype: str = "float32"
 
 
@@ -35,6 +37,7 @@ CASES = [
     Case("mqa-alibi", kv_heads=1, slopes=True),
     Case("gqa-bf16", kv_heads=2, window=3, dtype="bfloat16"),
 ]
+DECODE_CASES = [*CASES, Case("gqa3-bias-fn", heads=6, kv_heads=3, squared_bias=True)]
 BLOCK, NUM_BLOCKS, HEAD_DIM = 4, 16, 8
 
 
@@ -64,7 +67,7 @@ def numpy_paged(case, q, key, value, tables, positions, num_new):
                 logits = k[:, n // group] @ q[b, i, n].astype(np.float64) / np.sqrt(HEAD_DIM)
                 if case.softcap:
                     logits = case.softcap * np.tanh(logits / case.softcap)
-                logits = logits - slopes[n] * (p - j)
+                logits = logits - slopes[n] * (p - j) - (0.05 * (p - j) ** 2 if case.squared_bias else 0)
                 if case.window is not None:
                     logits = np.where(p - j < case.window, logits, -np.inf)
                 w = np.exp(logits - logits.max())
@@ -97,6 +100,70 @@ def test_reference_kernel_matches_numpy_dense_attention(case):
         np.testing.assert_allclose(got[b, : num_new[b]], want[b, : num_new[b]], atol=tol, rtol=tol)
 
 
+def squared_bias(q_positions, kv_positions):
+    """`bias_fn` of the `squared_bias` case: `[b, 1, t, s]`."""
+    distance = (q_positions[:, :, None] - kv_positions[:, None, :]).astype(jnp.float32)
+    return (-0.05 * distance**2)[:, None]
+
+
+def decode_step(rng, batch=5, width=6):
+    """Decode rows (one new token each) over shuffled blocks: contexts ending mid-block, on a block's last
+    slot, on a block's first slot, a one-token context, and an empty padding row (table of zeros)."""
+    ends = np.array([13, 7, 8, 0, 0])[:batch]
+    tables = np.zeros((batch, width), np.int32)
+    ids = iter(rng.permutation(np.arange(1, NUM_BLOCKS)))
+    for b in range(batch - 1):
+        for i in range(ends[b] // BLOCK + 1):
+            tables[b, i] = next(ids)
+    num_new = np.array([1] * (batch - 1) + [0], np.int32)
+    return tables, ends[:, None].astype(np.int32), num_new
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[c.name for c in DECODE_CASES])
+def test_the_cpu_decode_kernel_matches_numpy_dense_attention(case):
+    rng = np.random.default_rng(1)
+    tables, positions, num_new = decode_step(rng)
+    dtype = jnp.dtype(case.dtype)
+    q = rng.normal(size=(5, 1, case.heads, HEAD_DIM)).astype(np.float32)
+    key, value = (rng.normal(size=(NUM_BLOCKS, BLOCK, case.kv_heads, HEAD_DIM)).astype(np.float32) for _ in "kv")
+    q, key, value = (np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in (q, key, value))
+    slopes = tuple(2.0 ** (-np.arange(1, case.heads + 1))) if case.slopes else None
+    problem = PagedAttentionProblem.of(
+        q, key, tables, platform="cpu", sliding_window=case.window, softcap=case.softcap, bias_slopes=slopes,
+        bias_fn=squared_bias if case.squared_bias else None,
+    )
+    kernel = XlaCpuPagedDecode()
+    assert kernel.is_supported(problem)
+    got = jax.jit(lambda *a: kernel(problem, *a))(
+        *(jnp.asarray(a, dtype) for a in (q, key, value)), tables, positions, num_new
+    )
+    assert got.dtype == dtype and got.shape == q.shape
+    got = np.asarray(got.astype(jnp.float32))
+    assert np.isfinite(got).all()  # The empty padding row too.
+    want = numpy_paged(case, q, key, value, tables, positions, num_new)
+    tol = 2e-2 if case.dtype == "bfloat16" else 1e-5
+    np.testing.assert_allclose(got[:4], want[:4], atol=tol, rtol=tol)
+
+
+def test_the_cpu_decode_kernel_is_chosen_for_cpu_decode_steps_only():
+    registries = create_plugin_manager([]).registries
+    q, key, tables = np.zeros((2, 1, 4, 8)), np.zeros((4, 4, 2, 8)), np.zeros((2, 2), np.int32)
+    decode = PagedAttentionProblem.of(q, key, tables, platform="cpu")
+    assert registries.kernels.select("paged_attention", decode).name == "xla_cpu_decode"
+    chunk = PagedAttentionProblem.of(np.zeros((2, 3, 4, 8)), key, tables, platform="cpu")
+    assert registries.kernels.select("paged_attention", chunk).name == "xla"
+    kernel = XlaCpuPagedDecode()
+    for problem, reason in [
+        (chunk, "q_len 3"),
+        (dataclasses.replace(decode, platform="gpu"), "cpu platform"),
+        (dataclasses.replace(decode, num_heads=16, num_kv_heads=8), "8 kv heads"),
+        (dataclasses.replace(decode, num_heads=3), "multiple"),
+        (dataclasses.replace(decode, extras={"fp8": True}), "fp8"),
+    ]:
+        support = kernel.is_supported(problem)
+        assert not support and reason in support.reason
+
+
 def test_new_tokens_write_their_own_slots_and_padding_the_null_block():
     tables = np.array([[7, 3, 0], [2, 0, 0]], np.int32)
     positions = np.array([[3, 4, 5], [1, 9, 9]], np.int32)
@@ -109,7 +176,7 @@ def test_new_tokens_write_their_own_slots_and_padding_the_null_block():
 def test_the_kernels_plugin_registers_the_op_and_the_reference_declines_unknown_extras():
     registries = create_plugin_manager([]).registries
     q, key, tables = np.zeros((1, 1, 2, 8)), np.zeros((4, 4, 2, 8)), np.zeros((1, 2), np.int32)
-    problem = PagedAttentionProblem.of(q, key, tables)
+    problem = PagedAttentionProblem.of(q, key, tables, platform="gpu")
     assert registries.kernels.select("paged_attention", problem).name == "xla"
     assert registries.ops["paged_attention"] is PAGED_ATTENTION
     declined = XlaPagedAttention().is_supported(dataclasses.replace(problem, extras={"fp8": True}))
