@@ -27,6 +27,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from axcore.kernels import record_kernel_choices
+
 SHAPES = ((16, 1), (32, 1), (4, 32), (16, 32), (32, 32), (16, 64), (32, 64))
 
 
@@ -85,8 +87,11 @@ def main(argv: list[str] | None = None) -> dict:
         arrays = step_arrays(rng, rows, width, default.block_size, default.num_blocks, int(default.model.config.vocab_size))
         logits = {}
         times: dict[str, list[float]] = {"xla": [], "xla_cpu_decode": []}
+        chosen = {}
         for name, runner in (("xla", reference), ("xla_cpu_decode", default)):
-            logits[name] = np.asarray(runner.step(params, *arrays))  # Compiles.
+            with record_kernel_choices() as choices:
+                logits[name] = np.asarray(runner.step(params, *arrays))  # Compiles (traces: records the kernels).
+            chosen[name] = sorted(choices.get("paged_attention", {}))
         for _ in range(rounds):
             for name, runner in (("xla", reference), ("xla_cpu_decode", default)):
                 start = time.perf_counter()
@@ -95,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         entry = {name: {"median_ms": 1e3 * float(np.median(t)), "p10_ms": 1e3 * float(np.percentile(t, 10)),
                         "p90_ms": 1e3 * float(np.percentile(t, 90))} for name, t in times.items()}
         entry["ratio_default_over_xla"] = entry["xla_cpu_decode"]["median_ms"] / entry["xla"]["median_ms"]
+        entry["paged_attention_kernels"] = chosen
         entry["logits_max_abs_diff"] = float(np.abs(logits["xla"] - logits["xla_cpu_decode"]).max())
         report["shapes"][f"B{rows}xW{width}"] = entry
         print(f"B={rows} W={width}: xla {entry['xla']['median_ms']:.1f} ms, xla_cpu_decode "

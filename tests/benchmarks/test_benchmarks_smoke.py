@@ -157,3 +157,15 @@ def test_generate_load_smoke_imports_parameters_only(tmp_path):
         assert after[f"{prefix}param_bytes"]["median"] == 4 * data["parameters"]
         assert after[f"{prefix}live_bytes_after_load"]["median"] >= after[f"{prefix}param_bytes"]["median"]
     assert math.isfinite(after["eval_loss"]) and after["eval_loss"] > 0
+
+
+def test_paged_decode_cpu_smoke_both_kernels_give_the_same_logits():
+    """benchmarks/paged_decode_cpu.py --smoke (in this process): the reference and the CPU decode kernel, one
+    runner each on the same parameters, agree on every decode step's logits."""
+    from benchmarks.paged_decode_cpu import main
+
+    report = main(["--smoke"])
+    assert set(report["shapes"]) == {"B4xW1", "B4xW2"}
+    for entry in report["shapes"].values():
+        assert entry["paged_attention_kernels"] == {"xla": ["xla"], "xla_cpu_decode": ["xla_cpu_decode"]}
+        assert entry["logits_max_abs_diff"] < 1e-4 and entry["xla"]["median_ms"] > 0
