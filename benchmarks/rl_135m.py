@@ -149,9 +149,9 @@ def build(work: pathlib.Path, variant: str = "lora_b") -> dict[str, Any]:
     loaded = dataclasses.replace(loaded, params=jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))(loaded.params))
     tokenizer = loaded.experiment.config.tokenizer.instantiate()
     rows = s["prompts_per_step"] * s["group_size"]
-    engine_config = EngineConfig(block_size=16, num_blocks=2 * rows + 4, max_seqs=rows, max_tokens_per_step=rows,
-                                 max_model_len=s["seq_len"], batch_buckets=(rows,), token_buckets=(1, rows),
-                                 split_mixed_steps=False)
+    engine_config = EngineConfig(block_size=16, num_blocks=2 * rows + 4, max_seqs=rows, max_tokens_per_step=rows * s["seq_len"],
+                                 max_model_len=s["seq_len"], batch_buckets=(rows,), token_buckets=(1, rows, s["seq_len"]),
+                                 split_mixed_steps=False, kernels={"paged_attention": "xla"})
     eos = (tokenizer.eos_id,)
     engine = Engine(loaded.model, loaded.params, tokenizer, config=engine_config, eos_token_ids=eos)
     objective = GRPO.default_config().set(beta=beta, reference=reference, temperature=s["temperature"],

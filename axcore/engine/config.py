@@ -52,6 +52,9 @@ class EngineConfig:
     # decode row padded to a long chunk; `batch.split_calls`); False: one call, whose programs' float32
     # rounding matches a full forward's more closely.
     split_mixed_steps: bool = True
+    # Op name -> kernel the engine's programs try first (`axcore.kernels.preferred_kernels`; a layer's own
+    # `kernels` choice still wins), e.g. {"paged_attention": "xla"}; None = the usual selection.
+    kernels: dict[str, str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,7 +74,7 @@ class Engine:
         s = self.settings
         self.runner = ModelRunner(model, num_blocks=s.num_blocks, block_size=config.block_size,
                                   batch_buckets=s.batch_buckets, token_buckets=s.token_buckets,
-                                  max_programs=config.max_programs)
+                                  max_programs=config.max_programs, kernels=config.kernels)
         self.scheduler = Scheduler(BlockAllocator(s.num_blocks, config.block_size), max_seqs=config.max_seqs,
                                    max_tokens_per_step=config.max_tokens_per_step, max_model_len=s.max_model_len,
                                    eos_token_ids=tuple(eos_token_ids))

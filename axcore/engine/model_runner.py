@@ -30,6 +30,7 @@ import numpy as np
 
 from axcore.errors import AxcoreError
 from axcore.kernels.adapter_rows import adapter_rows
+from axcore.kernels.registry import preferred_kernels
 from axcore.module import Module, functional
 
 
@@ -69,6 +70,7 @@ class ModelRunner:
         batch_buckets: row counts B a step is padded to (the largest is the most rows per step).
         token_buckets: tokens per row T a step is padded to (the largest is the longest chunk).
         max_programs: most compiled programs; one more raises `ModelRunnerError`.
+        kernels: op name -> kernel name the programs try first (`axcore.kernels.preferred_kernels`), or None.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class ModelRunner:
         batch_buckets: Sequence[int],
         token_buckets: Sequence[int],
         max_programs: int,
+        kernels: dict[str, str] | None = None,
     ):
         self.model = model
         self.num_blocks = _positive("num_blocks", num_blocks, least=2)
@@ -87,6 +90,7 @@ class ModelRunner:
         self.batch_buckets = _buckets("batch_buckets", batch_buckets)
         self.token_buckets = _buckets("token_buckets", token_buckets)
         self.max_programs = _positive("max_programs", max_programs)
+        self.kernels = dict(kernels or {})
         limit = model.max_cache_len()
         # Longest block table a sequence can need: its positions fill at most every non-null block.
         self.max_blocks_per_seq = self.num_blocks - 1 if limit is None else min(
@@ -178,7 +182,8 @@ class ModelRunner:
                     f"{len(self._programs) + 1}, past max_programs {self.max_programs} (compiled: "
                     f"{self.programs}); raise max_programs or use fewer buckets.",
                 )
-            program = self._jitted.lower(params, self.cache, *padded, all_logits=bool(all_logits)).compile()
+            with preferred_kernels(self.kernels):
+                program = self._jitted.lower(params, self.cache, *padded, all_logits=bool(all_logits)).compile()
             self._programs[key] = program
         out, self.cache = program(params, self.cache, *padded)
         return out

@@ -223,6 +223,23 @@ def op_environment(
         _ENVIRONMENT.reset(token)
 
 
+# op name -> the kernel `select` tries first when a call names none (`preferred_kernels`).
+_PREFERRED: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("axcore_preferred_kernels", default={})
+
+
+@contextlib.contextmanager
+def preferred_kernels(choices: Mapping[str, str] | None) -> Iterator[None]:
+    """While active, `KernelRegistry.select` tries `choices[op]` (op name -> kernel name) first for calls
+    that name no kernel (a layer's own `kernels` choice still wins); if it declines a problem, selection
+    falls back to priority order. An unknown kernel name raises when an op of that name is selected.
+    (The inference engine traces its programs inside its `EngineConfig.kernels`.)"""
+    token = _PREFERRED.set(dict(choices or {}))
+    try:
+        yield
+    finally:
+        _PREFERRED.reset(token)
+
+
 def current_platform() -> str:
     """The platform problems are built for: the `op_environment`'s, else JAX's default backend."""
     import jax  # Only when a problem is built (a backend is up or being targeted).
@@ -387,6 +404,17 @@ class KernelRegistry(Registry):
         declared = self.op(op)
         if not isinstance(problem, declared.problem_type):
             raise TypeError(f"op '{declared.name}' takes a {declared.problem_type.__name__}, got {type(problem).__name__}")
+        preferred = _PREFERRED.get().get(declared.name) if requested is None else None
+        if preferred is not None:
+            by_name = {k.name: k for k in self.candidates(declared)}
+            if preferred not in by_name:
+                raise UnknownComponentError(
+                    f"No '{declared.name}' kernel named '{preferred}' (a preferred kernel)"
+                    f"{did_you_mean(preferred, by_name)}; kernels: {', '.join(sorted(by_name))}."
+                )
+            if by_name[preferred].is_supported(problem):
+                _record_choice(declared.name, preferred, problem)
+                return declared.reference if current_environment().stand_in else by_name[preferred]
         if requested is not None:
             by_name = {k.name: k for k in self.candidates(declared)}
             if requested not in by_name:

@@ -11,7 +11,15 @@ import pytest
 import axcore
 from axcore.experiment import load_experiment
 from axcore.experiment.builtins import create_plugin_manager
-from axcore.kernels import PAGED_ATTENTION, PagedAttentionProblem, Support, XlaCpuPagedDecode, XlaPagedAttention
+from axcore.errors import UnknownComponentError
+from axcore.kernels import (
+    PAGED_ATTENTION,
+    PagedAttentionProblem,
+    Support,
+    XlaCpuPagedDecode,
+    XlaPagedAttention,
+    preferred_kernels,
+)
 from axcore.kernels.paged_attention import paged_slots
 from axcore.layers.transformer import TransformerLayer
 from axcore.testing import TINY_OVERRIDES
@@ -162,6 +170,22 @@ def test_the_cpu_decode_kernel_is_chosen_for_cpu_decode_steps_only():
     ]:
         support = kernel.is_supported(problem)
         assert not support and reason in support.reason
+
+
+def test_preferred_kernels_are_tried_first_and_fall_back_when_they_decline():
+    registries = create_plugin_manager([]).registries
+    key, tables = np.zeros((4, 4, 2, 8)), np.zeros((2, 2), np.int32)
+    decode = PagedAttentionProblem.of(np.zeros((2, 1, 4, 8)), key, tables, platform="cpu")
+    chunk = PagedAttentionProblem.of(np.zeros((2, 3, 4, 8)), key, tables, platform="cpu")
+    select = registries.kernels.select
+    with preferred_kernels({"paged_attention": "xla"}):
+        assert select("paged_attention", decode).name == "xla"
+        assert select("paged_attention", decode, requested="xla_cpu_decode").name == "xla_cpu_decode"
+    with preferred_kernels({"paged_attention": "xla_cpu_decode"}):
+        assert select("paged_attention", chunk).name == "xla"  # It declines prefill chunks: priority order.
+    assert select("paged_attention", decode).name == "xla_cpu_decode"  # Outside: the usual order.
+    with preferred_kernels({"paged_attention": "xla_decode"}), pytest.raises(UnknownComponentError, match="xla_cpu_decode"):
+        select("paged_attention", decode)
 
 
 def test_new_tokens_write_their_own_slots_and_padding_the_null_block():

@@ -37,7 +37,7 @@ class RolloutEngine(ConfigBase):
 
     # Tokens per KV block.
     block_size: Annotated[int, Length] = 16
-    # Tokens fed per engine step, all rows together; None = max(rows, input.seq_len).
+    # Tokens fed per engine step, all rows together; None = rows x (input.seq_len + 1): all prompts at once.
     max_tokens_per_step: Annotated[int, Positive] | None = None
     # Row counts an engine step is padded to; None = the engine's default (powers of four up to the rows).
     batch_buckets: list[int] | None = None
@@ -45,6 +45,9 @@ class RolloutEngine(ConfigBase):
     token_buckets: list[int] | None = None
     # False: each engine step is one model call, whose float32 log-probabilities match the learner's (docs/rl.md).
     split_mixed_steps: bool = False
+    # True: rollouts attend through the `paged_attention` op's XLA reference, whose float32 log-probabilities
+    # match the learner's closest (docs/rl.md); False: the engine's usual (fastest supported) kernel.
+    reference_attention: bool = True
 
 
 class RlSettings(ConfigBase):

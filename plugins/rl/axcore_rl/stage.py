@@ -59,14 +59,21 @@ class RolloutError(AxcoreError):
 
 
 def engine_config(settings: RlSettings, rows: int, seq_len: int, model_limit: int | None, seed: int) -> EngineConfig:
-    """The rollout engine's settings: `rows` sequences at once, each at most `seq_len + 1` tokens, none preempted."""
+    """The rollout engine's settings: `rows` sequences at once, each at most `seq_len + 1` tokens, none preempted.
+
+    The default token budget is every row's whole sequence: a rollout feeds all its prompts in its first step
+    and every sibling's (a prompt's other choices) in its second. A budget of `max(rows, seq_len)`, the
+    default until 2026-11-29, admitted a step's siblings a few at a time (each re-feeds its prompt's last,
+    partial block), so a 135M model's 16-row rollout ran 9 padded chunk calls instead of 2 (9.6 s -> 3.9 s).
+    """
     e = settings.engine
     max_len = seq_len + 1 if model_limit is None else min(seq_len + 1, model_limit)
     return EngineConfig(block_size=e.block_size, num_blocks=1 + rows * math.ceil(max_len / e.block_size),
-                        max_seqs=rows, max_tokens_per_step=e.max_tokens_per_step or max(rows, seq_len),
+                        max_seqs=rows, max_tokens_per_step=e.max_tokens_per_step or rows * max_len,
                         max_model_len=max_len, batch_buckets=tuple(e.batch_buckets) if e.batch_buckets else None,
                         token_buckets=tuple(e.token_buckets) if e.token_buckets else None, seed=seed,
-                        split_mixed_steps=e.split_mixed_steps)
+                        split_mixed_steps=e.split_mixed_steps,
+                        kernels={"paged_attention": "xla"} if e.reference_attention else None)
 
 
 def group_prompts(batch: dict[str, np.ndarray], group_size: int) -> list[tuple[int, ...]]:
