@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="memory: processes per variant")
     parser.add_argument("--variant", choices=list(VARIANTS), default="lora_b", help="memory-variant: which")
     parser.add_argument("--python", default="/work/trl-venv/bin/python", help="trl: the venv's interpreter")
+    parser.add_argument("--result-name", default="rl_135m", help="report: results/<this>.json")
     args = parser.parse_args(argv)
     work = args.work.resolve()
     if args.part == "prepare":
@@ -311,8 +312,9 @@ def main(argv: list[str] | None = None) -> None:
     elif args.part == "memory-variant":
         print(json.dumps(memory_variant(work, args.variant, args.steps)))
     else:
+        # axcore_old_budget: an axcore run kept from before the rollout's token budget was raised (README).
         parts = {name: json.loads((work / f"{name}.json").read_text("utf-8"))
-                 for name in ("axcore", "trl", "memory") if (work / f"{name}.json").exists()}
+                 for name in ("axcore", "trl", "memory", "axcore_old_budget") if (work / f"{name}.json").exists()}
         if "axcore" not in parts and (work / "axcore_steps.jsonl").exists():  # Stopped early: its finished steps.
             steps = [json.loads(line) for line in (work / "axcore_steps.jsonl").read_text("utf-8").splitlines()]
             parts["axcore"] = summarize_axcore(steps, args.skip, stopped_early=True)
@@ -328,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         result = {"benchmark": "rl_135m", "settings": json.loads((work / "settings.json").read_text("utf-8")),
                   **parts, "headlines": headlines(parts), "load_average_at_report": os.getloadavg(),
                   "machine": machine_info()}
-        print(write_result("rl_135m", result))
+        print(write_result(args.result_name, result))
 
 
 if __name__ == "__main__":

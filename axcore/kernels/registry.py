@@ -389,6 +389,16 @@ class KernelRegistry(Registry):
             kernels.append(declared.reference)
         return sorted(kernels, key=lambda k: (-k.priority, k.name))
 
+    def _named(self, declared: Op, name: str) -> Kernel:
+        """The kernel of `declared` called `name` (UnknownComponentError naming the others)."""
+        by_name = {k.name: k for k in self.candidates(declared)}
+        if name not in by_name:
+            raise UnknownComponentError(
+                f"No '{declared.name}' kernel named '{name}'{did_you_mean(name, by_name)}; "
+                f"kernels: {', '.join(sorted(by_name))}. Enable the plugin that provides it in `plugins:`."
+            )
+        return by_name[name]
+
     def select(self, op: Any, problem: Any, requested: str | None = None) -> Kernel:
         """The kernel to run `op` on `problem`.
 
@@ -406,23 +416,12 @@ class KernelRegistry(Registry):
             raise TypeError(f"op '{declared.name}' takes a {declared.problem_type.__name__}, got {type(problem).__name__}")
         preferred = _PREFERRED.get().get(declared.name) if requested is None else None
         if preferred is not None:
-            by_name = {k.name: k for k in self.candidates(declared)}
-            if preferred not in by_name:
-                raise UnknownComponentError(
-                    f"No '{declared.name}' kernel named '{preferred}' (a preferred kernel)"
-                    f"{did_you_mean(preferred, by_name)}; kernels: {', '.join(sorted(by_name))}."
-                )
-            if by_name[preferred].is_supported(problem):
+            kernel = self._named(declared, preferred)
+            if kernel.is_supported(problem):
                 _record_choice(declared.name, preferred, problem)
-                return declared.reference if current_environment().stand_in else by_name[preferred]
+                return declared.reference if current_environment().stand_in else kernel
         if requested is not None:
-            by_name = {k.name: k for k in self.candidates(declared)}
-            if requested not in by_name:
-                raise UnknownComponentError(
-                    f"No '{declared.name}' kernel named '{requested}'{did_you_mean(requested, by_name)}; "
-                    f"kernels: {', '.join(sorted(by_name))}. Enable the plugin that provides it in `plugins:`."
-                )
-            kernel = by_name[requested]
+            kernel = self._named(declared, requested)
             support = kernel.is_supported(problem)
             if not support:
                 raise KernelNotSupportedError(

@@ -44,8 +44,8 @@ CASES = [
     Case("gqa-window-softcap", kv_heads=2, window=5, softcap=2.0),
     Case("mqa-alibi", kv_heads=1, slopes=True),
     Case("gqa-bf16", kv_heads=2, window=3, dtype="bfloat16"),
+    Case("gqa3-bias-fn", heads=6, kv_heads=3, squared_bias=True),
 ]
-DECODE_CASES = [*CASES, Case("gqa3-bias-fn", heads=6, kv_heads=3, squared_bias=True)]
 BLOCK, NUM_BLOCKS, HEAD_DIM = 4, 16, 8
 
 
@@ -83,29 +83,36 @@ def numpy_paged(case, q, key, value, tables, positions, num_new):
     return out
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_reference_kernel_matches_numpy_dense_attention(case):
-    rng = np.random.default_rng(0)
-    tables, positions, num_new = random_step(rng)
+def check_against_numpy(case, kernel, tables, positions, num_new, rng, q_len, platform=None):
+    """Runs `kernel` on random q / cache in `case`'s dtype and compares each row's valid tokens with
+    `numpy_paged` (every output finite, padding and empty rows included)."""
     dtype = jnp.dtype(case.dtype)
-    q = rng.normal(size=(3, 4, case.heads, HEAD_DIM)).astype(np.float32)
+    q = rng.normal(size=(len(tables), q_len, case.heads, HEAD_DIM)).astype(np.float32)
     key, value = (rng.normal(size=(NUM_BLOCKS, BLOCK, case.kv_heads, HEAD_DIM)).astype(np.float32) for _ in "kv")
     q, key, value = (np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in (q, key, value))
     slopes = tuple(2.0 ** (-np.arange(1, case.heads + 1))) if case.slopes else None
     problem = PagedAttentionProblem.of(
-        q, key, tables, sliding_window=case.window, softcap=case.softcap, bias_slopes=slopes
+        q, key, tables, platform=platform, sliding_window=case.window, softcap=case.softcap, bias_slopes=slopes,
+        bias_fn=squared_bias if case.squared_bias else None,
     )
-    kernel = XlaPagedAttention()
     assert kernel.is_supported(problem)
     got = jax.jit(lambda *a: kernel(problem, *a))(
         *(jnp.asarray(a, dtype) for a in (q, key, value)), tables, positions, num_new
     )
+    assert got.dtype == dtype and got.shape == q.shape
     got = np.asarray(got.astype(jnp.float32))
-    assert got.dtype == np.float32 and np.isfinite(got).all()  # Padding tokens and the empty row: finite.
+    assert np.isfinite(got).all()
     want = numpy_paged(case, q, key, value, tables, positions, num_new)
     tol = 2e-2 if case.dtype == "bfloat16" else 1e-5
-    for b in range(3):
+    for b in range(len(tables)):
         np.testing.assert_allclose(got[b, : num_new[b]], want[b, : num_new[b]], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_reference_kernel_matches_numpy_dense_attention(case):
+    rng = np.random.default_rng(0)
+    tables, positions, num_new = random_step(rng)
+    check_against_numpy(case, XlaPagedAttention(), tables, positions, num_new, rng, q_len=4)
 
 
 def squared_bias(q_positions, kv_positions):
@@ -127,30 +134,11 @@ def decode_step(rng, batch=5, width=6):
     return tables, ends[:, None].astype(np.int32), num_new
 
 
-@pytest.mark.parametrize("case", DECODE_CASES, ids=[c.name for c in DECODE_CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_the_cpu_decode_kernel_matches_numpy_dense_attention(case):
     rng = np.random.default_rng(1)
     tables, positions, num_new = decode_step(rng)
-    dtype = jnp.dtype(case.dtype)
-    q = rng.normal(size=(5, 1, case.heads, HEAD_DIM)).astype(np.float32)
-    key, value = (rng.normal(size=(NUM_BLOCKS, BLOCK, case.kv_heads, HEAD_DIM)).astype(np.float32) for _ in "kv")
-    q, key, value = (np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in (q, key, value))
-    slopes = tuple(2.0 ** (-np.arange(1, case.heads + 1))) if case.slopes else None
-    problem = PagedAttentionProblem.of(
-        q, key, tables, platform="cpu", sliding_window=case.window, softcap=case.softcap, bias_slopes=slopes,
-        bias_fn=squared_bias if case.squared_bias else None,
-    )
-    kernel = XlaCpuPagedDecode()
-    assert kernel.is_supported(problem)
-    got = jax.jit(lambda *a: kernel(problem, *a))(
-        *(jnp.asarray(a, dtype) for a in (q, key, value)), tables, positions, num_new
-    )
-    assert got.dtype == dtype and got.shape == q.shape
-    got = np.asarray(got.astype(jnp.float32))
-    assert np.isfinite(got).all()  # The empty padding row too.
-    want = numpy_paged(case, q, key, value, tables, positions, num_new)
-    tol = 2e-2 if case.dtype == "bfloat16" else 1e-5
-    np.testing.assert_allclose(got[:4], want[:4], atol=tol, rtol=tol)
+    check_against_numpy(case, XlaCpuPagedDecode(), tables, positions, num_new, rng, q_len=1, platform="cpu")
 
 
 def test_the_cpu_decode_kernel_is_chosen_for_cpu_decode_steps_only():
