@@ -47,7 +47,7 @@ def runners(run_dir: str | None) -> tuple[Any, Any, Any]:
     from axcore.engine import Engine, EngineConfig
     from axcore.inference import load_model
 
-    config = EngineConfig(max_seqs=32, kv_cache_bytes=1 << 30, max_tokens_per_step=32)
+    config = EngineConfig(max_seqs=32, kv_cache_bytes=2 << 30, max_tokens_per_step=32)  # 2 GiB: 32 x 64 blocks fit.
     if run_dir is None:  # --smoke: a tiny random model.
         from axcore.experiment import load_experiment
         from axcore.testing import TINY_OVERRIDES

@@ -152,7 +152,7 @@ def test_the_cpu_decode_kernel_is_chosen_for_cpu_decode_steps_only():
     for problem, reason in [
         (chunk, "q_len 3"),
         (dataclasses.replace(decode, platform="gpu"), "cpu platform"),
-        (dataclasses.replace(decode, num_heads=16, num_kv_heads=8), "8 kv heads"),
+        (dataclasses.replace(decode, num_heads=32, num_kv_heads=16), "16 kv heads"),
         (dataclasses.replace(decode, num_heads=3), "multiple"),
         (dataclasses.replace(decode, extras={"fp8": True}), "fp8"),
     ]:
