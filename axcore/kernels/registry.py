@@ -224,7 +224,9 @@ def op_environment(
 
 
 # op name -> the kernel `select` tries first when a call names none (`preferred_kernels`).
-_PREFERRED: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("axcore_preferred_kernels", default={})
+_PREFERRED: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
+    "axcore_preferred_kernels", default=None
+)
 
 
 @contextlib.contextmanager
@@ -414,7 +416,7 @@ class KernelRegistry(Registry):
         declared = self.op(op)
         if not isinstance(problem, declared.problem_type):
             raise TypeError(f"op '{declared.name}' takes a {declared.problem_type.__name__}, got {type(problem).__name__}")
-        preferred = _PREFERRED.get().get(declared.name) if requested is None else None
+        preferred = (_PREFERRED.get() or {}).get(declared.name) if requested is None else None
         if preferred is not None:
             kernel = self._named(declared, preferred)
             if kernel.is_supported(problem):

@@ -106,7 +106,8 @@ def test_lowers_to_one_triton_call_for_cuda():
 
 def test_plugin_registers_it_below_the_reference_until_timed():
     kernels = create_plugin_manager(["gpu"], objects={"gpu": axcore_gpu.plugin}).registries.kernels
-    assert [kernel.name for kernel in kernels.candidates("paged_attention")] == ["xla", "pallas_decode"]
+    # Core's CPU decode kernel (priority 10, CPU only) first, then the reference, then this one.
+    assert [kernel.name for kernel in kernels.candidates("paged_attention")] == ["xla_cpu_decode", "xla", "pallas_decode"]
     assert kernels.select("paged_attention", _problem()).name == "xla"
     with pytest.raises(ValueError, match="splits 0"):
         PallasPagedDecode(splits=0)

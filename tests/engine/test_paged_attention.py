@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import axcore
+from axcore.errors import UnknownComponentError
 from axcore.experiment import load_experiment
 from axcore.experiment.builtins import create_plugin_manager
-from axcore.errors import UnknownComponentError
 from axcore.kernels import (
     PAGED_ATTENTION,
     PagedAttentionProblem,
