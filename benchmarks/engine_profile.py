@@ -1,10 +1,12 @@
 """Where an engine step's time goes on `serve_throughput.py`'s workload, in-process (no HTTP).
 
     python -m benchmarks.engine_profile RUN_DIR [--concurrency 32] [--max-seqs 32] [--kv-gib 2]
-        [--max-tokens-per-step 256] [--json OUT]
+        [--max-tokens-per-step 256] [--kernels OP=KERNEL ...] [--json OUT]
 
 RUN_DIR is the 135M import `serve_throughput.py --work-dir DIR` leaves (`DIR/import-135m`).
-The engine is built as `axcore serve` builds it (`axcore.inference.load_engine`), then the
+The engine is built as `axcore serve` builds it (`axcore.inference.load_engine`; `--kernels`
+sets `EngineConfig.kernels`, e.g. `dot=xla paged_attention=xla_cpu_decode` for axcore's own
+kernels where axcore-cpu is installed), then the
 benchmark's concurrency-C level is replayed: its C requests (the same seeded length mix,
 greedy, `ignore_eos`) are added at once, as C closed-loop clients send them, and
 `Engine.step` runs until they finish. A warm-up pass (other prompt ids) compiles first;
@@ -121,14 +123,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-gib", type=float, default=2)
     parser.add_argument("--max-tokens-per-step", type=int, default=None)
     parser.add_argument("--no-warm-up", action="store_true")
+    parser.add_argument("--kernels", nargs="*", default=[], metavar="OP=KERNEL",
+                        help="kernels the engine's programs try first (EngineConfig.kernels)")
     parser.add_argument("--json", default=None, help="write the report (with every step) here")
     args = parser.parse_args(argv)
+    if any("=" not in item for item in args.kernels):
+        parser.error(f"--kernels takes OP=KERNEL items, got {args.kernels}")
     from axcore.engine import EngineConfig
     from axcore.inference import load_engine
 
     fields = {"max_seqs": args.max_seqs, "kv_cache_bytes": int(args.kv_gib * (1 << 30))}
     if args.max_tokens_per_step:
         fields["max_tokens_per_step"] = args.max_tokens_per_step
+    if args.kernels:
+        fields["kernels"] = dict(item.split("=", 1) for item in args.kernels)
     engine = load_engine(args.run_dir, name="bench", config=EngineConfig(**fields))
     vocab, c = engine.vocab_size, args.concurrency
     lengths = length_mix(max(4, c), seed=c, quick=False)
@@ -136,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         warm = replay(engine, prompts_for(lengths, seed=10_000 + c, vocab=vocab), "warm")
         print(f"warm-up: {warm['wall_s']:.1f} s, programs {engine.runner.num_programs}", file=sys.stderr)
     report = replay(engine, prompts_for(lengths, seed=c, vocab=vocab), "timed")
-    report.update(load_average=os.getloadavg(), settings=str(engine.settings), programs=engine.runner.programs)
+    report.update(load_average=os.getloadavg(), settings=str(engine.settings), programs=engine.runner.programs,
+                  kernels=fields.get("kernels"))
     summary = {k: v for k, v in report.items() if k != "per_step"}
     print(json.dumps(summary, indent=1))
     if args.json:

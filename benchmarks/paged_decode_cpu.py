@@ -5,8 +5,9 @@
 
 RUN_DIR is a run or import directory (the 135M import `serve_throughput.py --work-dir DIR`
 leaves in `DIR/import-135m`). Two engines' model runners are built on the same parameters,
-one with `model.kernels={paged_attention: xla}` (the reference) and one with the default
-choice (on the CPU, `xla_cpu_decode` for decode steps). Each runs decode steps (one new
+one with `model.kernels={paged_attention: xla}` (the reference) and one with
+`model.kernels={paged_attention: xla_cpu_decode}` (axcore's own CPU decode kernel, which
+prefill chunks decline to the reference; axcore-cpu's native kernel is timed by `cpu_kernels.py`). Each runs decode steps (one new
 token per row) at the shapes of the serving benchmark's concurrency-32 steps: `B` rows,
 block tables `W` blocks wide, each row's context drawn between half and all of `W x
 block_size` tokens, its blocks scattered over the cache. Also `W = 1` (contexts under one
@@ -57,13 +58,13 @@ def runners(run_dir: str | None) -> tuple[Any, Any, Any]:
                                          "model.decoder.layer.self_attention.num_kv_heads=2", *extra])
             return exp.config.model.instantiate(name="model", registries=exp.registries)
 
-        reference, default = build(["model.kernels={paged_attention: xla}"]), build([])
+        reference, default = build(["model.kernels={paged_attention: xla}"]), build(["model.kernels={paged_attention: xla_cpu_decode}"])
         params = default.initialize(jax.random.key(0))
         config = EngineConfig(max_seqs=32, num_blocks=512, max_tokens_per_step=32)
     else:
         loaded = load_model(run_dir, overrides=["model.kernels={paged_attention: xla}"])
         reference, params = loaded.model, loaded.params
-        default = load_model(run_dir).model
+        default = load_model(run_dir, overrides=["model.kernels={paged_attention: xla_cpu_decode}"]).model
     make = lambda model: Engine(model, params, None, config=config).runner  # noqa: E731
     return make(reference), make(default), params
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from axcore.errors import AxcoreError
 from axcore.kernels.adapter_rows import adapter_rows
-from axcore.kernels.registry import preferred_kernels
+from axcore.kernels.registry import forward_only_programs, preferred_kernels
 from axcore.module import Module, functional
 
 
@@ -182,7 +182,7 @@ class ModelRunner:
                     f"{len(self._programs) + 1}, past max_programs {self.max_programs} (compiled: "
                     f"{self.programs}); raise max_programs or use fewer buckets.",
                 )
-            with preferred_kernels(self.kernels):
+            with preferred_kernels(self.kernels), forward_only_programs():  # Never differentiated.
                 program = self._jitted.lower(params, self.cache, *padded, all_logits=bool(all_logits)).compile()
             self._programs[key] = program
         out, self.cache = program(params, self.cache, *padded)

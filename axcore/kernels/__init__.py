@@ -20,10 +20,12 @@ from axcore.kernels.registry import (
     current_platform,
     describe_kernel_choices,
     format_kernel_decisions,
+    forward_only_programs,
     op_environment,
     preferred_kernels,
     record_kernel_choices,
     record_kernel_decisions,
+    tracing_forward_only,
     unknown_extras,
 )
 
@@ -59,6 +61,7 @@ __all__ = [
     "describe_kernel_choices",
     "dot_problem",
     "format_kernel_decisions",
+    "forward_only_programs",
     "op_environment",
     "preferred_kernels",
     "record_kernel_choices",
@@ -67,5 +70,6 @@ __all__ = [
     "reference_rms_norm",
     "rms_norm_problem",
     "sliding_window_mask",
+    "tracing_forward_only",
     "unknown_extras",
 ]

@@ -242,6 +242,26 @@ def preferred_kernels(choices: Mapping[str, str] | None) -> Iterator[None]:
         _PREFERRED.reset(token)
 
 
+# True while the programs being traced are never differentiated (`forward_only_programs`).
+_FORWARD_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("axcore_forward_only", default=False)
+
+
+@contextlib.contextmanager
+def forward_only_programs() -> Iterator[None]:
+    """While active, the programs traced inside are never differentiated (the inference engine's), so kernels
+    without a backward pass may serve them: they check `tracing_forward_only()` in `is_supported`."""
+    token = _FORWARD_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _FORWARD_ONLY.reset(token)
+
+
+def tracing_forward_only() -> bool:
+    """Whether the innermost trace is inside `forward_only_programs` (no gradient will be taken)."""
+    return _FORWARD_ONLY.get()
+
+
 def current_platform() -> str:
     """The platform problems are built for: the `op_environment`'s, else JAX's default backend."""
     import jax  # Only when a problem is built (a backend is up or being targeted).

@@ -45,9 +45,9 @@ class RolloutEngine(ConfigBase):
     token_buckets: list[int] | None = None
     # False: each engine step is one model call, whose float32 log-probabilities match the learner's (docs/rl.md).
     split_mixed_steps: bool = False
-    # True: rollouts attend through the `paged_attention` op's XLA reference, whose float32 log-probabilities
-    # match the learner's closest (docs/rl.md); False: the engine's usual (fastest supported) kernel.
-    reference_attention: bool = True
+    # True: rollouts run the XLA reference kernels of `paged_attention` and `dot`, whose float32
+    # log-probabilities match the learner's closest (docs/rl.md); False: the engine's usual (fastest) kernels.
+    reference_kernels: bool = True
 
 
 class RlSettings(ConfigBase):

@@ -73,7 +73,7 @@ def engine_config(settings: RlSettings, rows: int, seq_len: int, model_limit: in
                         max_model_len=max_len, batch_buckets=tuple(e.batch_buckets) if e.batch_buckets else None,
                         token_buckets=tuple(e.token_buckets) if e.token_buckets else None, seed=seed,
                         split_mixed_steps=e.split_mixed_steps,
-                        kernels={"paged_attention": "xla"} if e.reference_attention else None)
+                        kernels={"paged_attention": "xla", "dot": "xla"} if e.reference_kernels else None)
 
 
 def group_prompts(batch: dict[str, np.ndarray], group_size: int) -> list[tuple[int, ...]]:

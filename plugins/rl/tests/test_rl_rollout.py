@@ -17,10 +17,11 @@ VOCAB, G, MAX_TOKENS, SEQ = 32, 4, 6, 16
 PROMPTS = [[1, 2, 3, 10], [5, 6, 7, 8, 9, 11, 12], [4]]
 # One model call per step (split_mixed_steps=False): a step's decode rows computed apart from its prefill
 # chunks round differently in float32 (1.7e-5 apart from the learner here, against 2.6e-6 in one call).
-# The reference paged attention for the same reason (the CPU decode kernel: 4.3e-6), as an rl run's engine.
+# The reference paged attention and dot for the same reason (the CPU decode kernel: 4.3e-6; axcore-cpu's
+# OpenBLAS dot: 5.7e-6), as an rl run's engine (`rl.engine.reference_kernels`).
 CONFIG = EngineConfig(block_size=4, num_blocks=40, max_seqs=12, max_tokens_per_step=16, max_model_len=16,
                       batch_buckets=(12,), token_buckets=(1, 16), split_mixed_steps=False,
-                      kernels={"paged_attention": "xla"})
+                      kernels={"paged_attention": "xla", "dot": "xla"})
 
 
 @pytest.fixture(scope="module")

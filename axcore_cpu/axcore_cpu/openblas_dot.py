@@ -1,0 +1,77 @@
+"""`openblas`: the `dot` op's kernel for the inference engine's programs on the CPU, through OpenBLAS's sgemm.
+
+XLA:CPU runs a weight matmul of a few rows (a decode step's) far below what the CPU can
+do; OpenBLAS's sgemm, called through an XLA FFI custom call on the same buffers (no
+copy), runs them about twice as fast (`benchmarks/cpu_dot.py`). One row stays with XLA,
+whose matrix-vector product is faster than sgemm's there.
+
+The kernel has no backward pass, so it serves only programs traced inside
+`axcore.kernels.forward_only_programs()` (the engine's `ModelRunner`); training steps
+keep XLA's dot. It declines: other platforms, anything but float32 (weights, compute and
+output), weights whose contracted dims are neither their leading nor their trailing ones,
+meshes of more than one device (a custom call has no sharding rule), and unknown extras.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from axcore.kernels import DotProblem, Support, reference_dot, tracing_forward_only, unknown_extras
+
+from axcore_cpu import native
+
+
+def _layout(problem: DotProblem) -> str | None:
+    """"leading" (w `[contracted..., out...]`), "trailing" (w `[out..., contracted...]`), or None."""
+    k, ndim = len(problem.contract), len(problem.w_shape)
+    if problem.contract == tuple(range(k)):
+        return "leading"
+    if problem.contract == tuple(range(ndim - k, ndim)):
+        return "trailing"
+    return None
+
+
+def sgemm(x: jax.Array, w: jax.Array, *, trans_w: bool) -> jax.Array:
+    """float32 `x [m, k] . w` through OpenBLAS: w `[k, n]`, or `[n, k]` with `trans_w` -> `[m, n]`."""
+    native.load()
+    n = w.shape[0] if trans_w else w.shape[1]
+    call = jax.ffi.ffi_call(native.SGEMM_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x, w, trans_w=np.int64(trans_w))
+
+
+class OpenBlasDot:
+    """The `dot` op through OpenBLAS on the CPU, for forward-only programs (module docstring)."""
+
+    name = "openblas"
+    # Above the reference: where it supports a problem (the engine's programs on the CPU), it runs.
+    priority = 10
+
+    def is_supported(self, problem: DotProblem) -> Support:
+        if problem.platform != "cpu":
+            return Support(False, f"only for the cpu platform, not {problem.platform}")
+        if not tracing_forward_only():
+            return Support(False, "no backward pass: only for forward-only programs (the inference engine's)")
+        dtypes = {np.dtype(problem.w_dtype), np.dtype(problem.compute_dtype), np.dtype(problem.output_dtype)}
+        if dtypes != {np.dtype(np.float32)}:
+            return Support(False, f"float32 only, not weights/compute/output {sorted(d.name for d in dtypes)}")
+        if _layout(problem) is None:
+            return Support(False, f"contracts weight dims {problem.contract}, neither its leading nor trailing ones")
+        mesh = problem.mesh
+        if mesh is not None and math.prod(mesh.shape.values()) > 1:
+            return Support(False, "a mesh of more than one device (the custom call has no sharding rule)")
+        return unknown_extras(problem)
+
+    def __call__(self, problem: DotProblem, x: jax.Array, w: jax.Array) -> jax.Array:
+        k = len(problem.contract)
+        lead = x.shape[: x.ndim - k]
+        rows = math.prod(lead)
+        if rows <= 1:  # XLA's matrix-vector product beats sgemm at one row.
+            return reference_dot(problem, x, w)
+        trans_w = _layout(problem) == "trailing"
+        w2 = w.reshape(-1, problem.in_dim) if trans_w else w.reshape(problem.in_dim, -1)
+        y = sgemm(x.astype(jnp.float32).reshape(rows, problem.in_dim), w2, trans_w=trans_w)
+        return y.reshape(*lead, *problem.out_dims)
