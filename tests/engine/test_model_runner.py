@@ -166,3 +166,30 @@ def test_bad_adapter_slots_are_refused_naming_adapters(llama, adapters):
         runner.step(params, np.ones((1, 1), np.int32), np.zeros((1, 1), np.int32), np.ones(1, np.int32),
                     np.ones((1, 1), np.int32), adapters=adapters)
     assert runner.num_programs == 0
+
+
+def test_programs_are_traced_forward_only_and_a_training_trace_is_not(llama, monkeypatch):
+    """Kernels without a backward pass may serve the runner's programs: the runner traces them inside
+    `forward_only_programs()`, and nothing else is (a gradient of the same model sees False)."""
+    from axcore.kernels import KernelRegistry, forward_only_programs, tracing_forward_only
+
+    model, params, ids, _ = llama
+    seen: list[bool] = []  # tracing_forward_only() at each dot kernel selection.
+    original = KernelRegistry.select
+
+    def spy(self, op, problem, requested=None):
+        if getattr(op, "name", op) == "dot":
+            seen.append(tracing_forward_only())
+        return original(self, op, problem, requested)
+
+    monkeypatch.setattr(KernelRegistry, "select", spy)
+    runner_of(model).step(params, np.ones((1, 1), np.int32), np.zeros((1, 1), np.int32), np.ones(1, np.int32),
+                          np.ones((1, 1), np.int32))
+    assert seen and all(seen)
+    seen.clear()
+    loss = lambda p: functional(model, p, (ids[:1, :4],), None, False, method="logits")[0].sum()  # noqa: E731
+    jax.grad(loss)(params)
+    assert seen and not any(seen)
+    with forward_only_programs():
+        assert tracing_forward_only()
+    assert not tracing_forward_only()
