@@ -14,7 +14,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Every folder of Python the repository ships or runs.
-LINTED = ["axcore", "devtools", "axcore_gpu", "axcore_tpu", "axcore_neuron", "plugins", "examples", "benchmarks", "tests"]
+LINTED = ["axcore", "devtools", "axcore_gpu", "axcore_cpu", "axcore_tpu", "axcore_neuron", "plugins", "examples", "benchmarks", "tests"]
 
 
 def _ruff(*args: str, cwd: pathlib.Path = REPO) -> subprocess.CompletedProcess:

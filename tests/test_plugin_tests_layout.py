@@ -30,7 +30,7 @@ NOT_PACKAGES = {"core", "benchmarks", "helpers", "golden", "devtools"}
 UNTESTED_ALONE = {"experiments"}
 PLUGIN_DIRS = sorted(
     [path.parent for path in REPO.glob("plugins/*/pyproject.toml")]
-    + [REPO / name for name in ("axcore_gpu", "axcore_tpu", "axcore_neuron")]
+    + [REPO / name for name in ("axcore_gpu", "axcore_cpu", "axcore_tpu", "axcore_neuron")]
 )
 
 

@@ -29,7 +29,7 @@ from axcore.experiment import load_experiment
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = [
     p
-    for d in ("axcore", "axcore_gpu", "axcore_tpu", "axcore_neuron", "plugins")
+    for d in ("axcore", "axcore_gpu", "axcore_cpu", "axcore_tpu", "axcore_neuron", "plugins")
     for p in (ROOT / d).rglob("*.py")
     if "build" not in p.parts and ".egg-info" not in str(p)
 ]
