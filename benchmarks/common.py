@@ -14,7 +14,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -65,6 +65,70 @@ def summarize(times: list[float]) -> dict[str, float]:
     ordered = sorted(times)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
     return {"median": statistics.median(ordered), "p10": pick(0.1), "p90": pick(0.9), "n": len(ordered)}
+
+
+def step_timer(runner: Any, params: Any, arrays: tuple) -> Callable[[], float]:
+    """A contender for `alternate`: wall seconds of one engine `ModelRunner.step(params, *arrays)`, blocked on."""
+    import jax
+
+    return lambda: timed(lambda: jax.block_until_ready(runner.step(params, *arrays)))
+
+
+def runner_benchmark_args(prog: str, doc: str, argv: list[str] | None) -> Any:
+    """The arguments of a benchmark of two engine runners: RUN_DIR, or --smoke (a tiny random model); --rounds;
+    --json."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    parser.add_argument("run_dir", nargs="?")
+    parser.add_argument("--rounds", type=int, default=7, help="timed calls per contender and shape, alternated")
+    parser.add_argument("--smoke", action="store_true", help="a tiny random model, 2 rounds, small shapes")
+    parser.add_argument("--json", default=None, help="also write the report here")
+    args = parser.parse_args(argv)
+    if args.run_dir is None and not args.smoke:
+        parser.error("give RUN_DIR or --smoke")
+    return args
+
+
+def compare_runners(contenders: Sequence[tuple[str, Any]], params: Any, arrays: tuple, rounds: int,
+                    ops: Sequence[str]) -> dict[str, Any]:
+    """Two engine `ModelRunner`s on one step: each runs it once (compiling; the kernels each chose for `ops`
+    are recorded), then `rounds` timed calls alternated. -> per contender `milliseconds`, `kernels` (name ->
+    op -> kernel names), `ratio_default_over_xla` (second median / first) and `logits_max_abs_diff`."""
+    import numpy as np
+
+    from axcore.kernels import record_kernel_choices
+
+    logits, chosen = {}, {}
+    for name, runner in contenders:
+        with record_kernel_choices() as choices:
+            logits[name] = np.asarray(runner.step(params, *arrays))  # Compiles (traces: records the kernels).
+        chosen[name] = {op: sorted(choices.get(op, {})) for op in ops}
+    times = alternate({name: step_timer(runner, params, arrays) for name, runner in contenders}, rounds)
+    (first, _), (second, _) = contenders
+    entry: dict[str, Any] = {name: milliseconds(t) for name, t in times.items()}
+    entry["ratio_default_over_xla"] = entry[second]["median_ms"] / entry[first]["median_ms"]
+    entry["kernels"] = chosen
+    entry["logits_max_abs_diff"] = float(np.abs(logits[first] - logits[second]).max())
+    return entry
+
+
+def milliseconds(times: list[float]) -> dict[str, float]:
+    """Median and 10th/90th percentiles (NumPy's interpolation) of wall seconds, in milliseconds."""
+    import numpy as np
+
+    return {"median_ms": 1e3 * float(np.median(times)), "p10_ms": 1e3 * float(np.percentile(times, 10)),
+            "p90_ms": 1e3 * float(np.percentile(times, 90))}
+
+
+def emit_report(report: dict[str, Any], path: str | None) -> None:
+    """Prints `report` as JSON (the load average added) and writes it to `path` too, if given."""
+    report["load_average"] = os.getloadavg()
+    text = json.dumps(report, indent=1)
+    print(text)
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
 
 
 def pairwise_ratio(numerator: list[float], denominator: list[float]) -> dict[str, float]:

@@ -18,17 +18,13 @@ the largest difference of their logits are printed as JSON.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-import time
 from typing import Any
 
 import jax
 import numpy as np
 
-from axcore.kernels import record_kernel_choices
+from benchmarks.common import compare_runners, emit_report, runner_benchmark_args
 
 # (rows, tokens per row, table width): decode steps, then prefill chunks.
 SHAPES = ((16, 1, 1), (32, 1, 1), (4, 1, 32), (16, 1, 32), (32, 1, 32), (16, 1, 64), (32, 1, 64), (1, 256, 16), (4, 128, 16))
@@ -72,14 +68,7 @@ def runners(run_dir: str | None) -> tuple[Any, Any, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_kernels", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", nargs="?")
-    parser.add_argument("--rounds", type=int, default=7, help="timed calls per contender and shape, alternated")
-    parser.add_argument("--smoke", action="store_true", help="a tiny random model, 2 rounds, small shapes")
-    parser.add_argument("--json", default=None, help="also write the report here")
-    args = parser.parse_args(argv)
-    if args.run_dir is None and not args.smoke:
-        parser.error("give RUN_DIR or --smoke")
+    args = runner_benchmark_args("python -m benchmarks.cpu_kernels", __doc__, argv)
     reference, default, params = runners(None if args.smoke else args.run_dir)
     rounds = 2 if args.smoke else args.rounds
     rng = np.random.default_rng(0)
@@ -88,32 +77,12 @@ def main(argv: list[str] | None = None) -> dict:
     contenders = (("xla", reference), ("default", default))
     for rows, tokens, width in SMOKE_SHAPES if args.smoke else SHAPES:
         arrays = step_arrays(rng, rows, tokens, width, default.block_size, int(default.model.config.vocab_size))
-        logits, chosen = {}, {}
-        times: dict[str, list[float]] = {name: [] for name, _ in contenders}
-        for name, runner in contenders:
-            with record_kernel_choices() as choices:
-                logits[name] = np.asarray(runner.step(params, *arrays))  # Compiles (traces: records the kernels).
-            chosen[name] = {op: sorted(choices.get(op, {})) for op in ("dot", "paged_attention")}
-        for _ in range(rounds):
-            for name, runner in contenders:
-                start = time.perf_counter()
-                jax.block_until_ready(runner.step(params, *arrays))
-                times[name].append(time.perf_counter() - start)
-        entry: dict[str, Any] = {name: {"median_ms": 1e3 * float(np.median(t)), "p10_ms": 1e3 * float(np.percentile(t, 10)),
-                                        "p90_ms": 1e3 * float(np.percentile(t, 90))} for name, t in times.items()}
-        entry["ratio_default_over_xla"] = entry["default"]["median_ms"] / entry["xla"]["median_ms"]
-        entry["kernels"] = chosen
-        entry["logits_max_abs_diff"] = float(np.abs(logits["xla"] - logits["default"]).max())
+        entry = compare_runners(contenders, params, arrays, rounds, ("dot", "paged_attention"))
         report["shapes"][f"B{rows}xT{tokens}xW{width}"] = entry
-        print(f"B={rows} T={tokens} W={width}: xla {entry['xla']['median_ms']:.1f} ms, default {chosen['default']} "
+        print(f"B={rows} T={tokens} W={width}: xla {entry['xla']['median_ms']:.1f} ms, default {entry['kernels']['default']} "
               f"{entry['default']['median_ms']:.1f} ms (x{entry['ratio_default_over_xla']:.2f}), "
               f"logits differ by {entry['logits_max_abs_diff']:.2e}", file=sys.stderr)
-    report["load_average"] = os.getloadavg()
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    emit_report(report, args.json)
     return report
 
 

@@ -13,22 +13,18 @@ block tables `W` blocks wide, each row's context drawn between half and all of `
 block_size` tokens, its blocks scattered over the cache. Also `W = 1` (contexts under one
 block: the step without attention's reading). The two runners alternate call by call;
 medians and p10-p90 of wall seconds per step, their ratio, and the largest difference of
-the two kernels' logits are printed as JSON.
+the two kernels' logits are printed as JSON (`benchmarks.common.compare_runners`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-import time
 from typing import Any
 
 import jax
 import numpy as np
 
-from axcore.kernels import record_kernel_choices
+from benchmarks.common import compare_runners, emit_report, runner_benchmark_args
 
 SHAPES = ((16, 1), (32, 1), (4, 32), (16, 32), (32, 32), (16, 64), (32, 64))
 
@@ -70,14 +66,7 @@ def runners(run_dir: str | None) -> tuple[Any, Any, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.paged_decode_cpu", description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", nargs="?")
-    parser.add_argument("--rounds", type=int, default=7, help="timed calls per kernel and shape, alternated")
-    parser.add_argument("--smoke", action="store_true", help="a tiny random model, 2 rounds, small shapes")
-    parser.add_argument("--json", default=None, help="also write the report here")
-    args = parser.parse_args(argv)
-    if args.run_dir is None and not args.smoke:
-        parser.error("give RUN_DIR or --smoke")
+    args = runner_benchmark_args("python -m benchmarks.paged_decode_cpu", __doc__, argv)
     reference, default, params = runners(None if args.smoke else args.run_dir)
     shapes = ((4, 1), (4, 2)) if args.smoke else SHAPES
     rounds = 2 if args.smoke else args.rounds
@@ -86,33 +75,13 @@ def main(argv: list[str] | None = None) -> dict:
                               "jax": jax.__version__, "shapes": {}}
     for rows, width in shapes:
         arrays = step_arrays(rng, rows, width, default.block_size, default.num_blocks, int(default.model.config.vocab_size))
-        logits = {}
-        times: dict[str, list[float]] = {"xla": [], "xla_cpu_decode": []}
-        chosen = {}
-        for name, runner in (("xla", reference), ("xla_cpu_decode", default)):
-            with record_kernel_choices() as choices:
-                logits[name] = np.asarray(runner.step(params, *arrays))  # Compiles (traces: records the kernels).
-            chosen[name] = sorted(choices.get("paged_attention", {}))
-        for _ in range(rounds):
-            for name, runner in (("xla", reference), ("xla_cpu_decode", default)):
-                start = time.perf_counter()
-                jax.block_until_ready(runner.step(params, *arrays))
-                times[name].append(time.perf_counter() - start)
-        entry = {name: {"median_ms": 1e3 * float(np.median(t)), "p10_ms": 1e3 * float(np.percentile(t, 10)),
-                        "p90_ms": 1e3 * float(np.percentile(t, 90))} for name, t in times.items()}
-        entry["ratio_default_over_xla"] = entry["xla_cpu_decode"]["median_ms"] / entry["xla"]["median_ms"]
-        entry["paged_attention_kernels"] = chosen
-        entry["logits_max_abs_diff"] = float(np.abs(logits["xla"] - logits["xla_cpu_decode"]).max())
+        contenders = (("xla", reference), ("xla_cpu_decode", default))
+        entry = compare_runners(contenders, params, arrays, rounds, ("paged_attention",))
         report["shapes"][f"B{rows}xW{width}"] = entry
         print(f"B={rows} W={width}: xla {entry['xla']['median_ms']:.1f} ms, xla_cpu_decode "
               f"{entry['xla_cpu_decode']['median_ms']:.1f} ms (x{entry['ratio_default_over_xla']:.2f}), "
               f"logits differ by {entry['logits_max_abs_diff']:.2e}", file=sys.stderr)
-    report["load_average"] = os.getloadavg()
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    emit_report(report, args.json)
     return report
 
 

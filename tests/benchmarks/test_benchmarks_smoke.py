@@ -167,5 +167,6 @@ def test_paged_decode_cpu_smoke_both_kernels_give_the_same_logits():
     report = main(["--smoke"])
     assert set(report["shapes"]) == {"B4xW1", "B4xW2"}
     for entry in report["shapes"].values():
-        assert entry["paged_attention_kernels"] == {"xla": ["xla"], "xla_cpu_decode": ["xla_cpu_decode"]}
+        assert entry["kernels"] == {"xla": {"paged_attention": ["xla"]},
+                                    "xla_cpu_decode": {"paged_attention": ["xla_cpu_decode"]}}
         assert entry["logits_max_abs_diff"] < 1e-4 and entry["xla"]["median_ms"] > 0
