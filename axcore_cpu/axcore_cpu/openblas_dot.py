@@ -39,7 +39,9 @@ def sgemm(x: jax.Array, w: jax.Array, *, trans_w: bool) -> jax.Array:
     """float32 `x [m, k] . w` through OpenBLAS: w `[k, n]`, or `[n, k]` with `trans_w` -> `[m, n]`."""
     native.load()
     n = w.shape[0] if trans_w else w.shape[1]
-    call = jax.ffi.ffi_call(native.SGEMM_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    # Under vmap (e.g. a mixture of experts' per-expert weights) one call per batch element.
+    call = jax.ffi.ffi_call(native.SGEMM_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
     return call(x, w, trans_w=np.int64(trans_w))
 
 

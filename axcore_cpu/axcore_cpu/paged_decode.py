@@ -55,7 +55,8 @@ class CpuPagedDecode:
         del num_new  # Padding rows attend at their (ignored) positions: finite garbage, as the reference.
         native.load()
         batch, _, heads, head_dim = q.shape
-        call = jax.ffi.ffi_call(native.PAGED_DECODE_TARGET, jax.ShapeDtypeStruct((batch, heads, head_dim), q.dtype))
+        call = jax.ffi.ffi_call(native.PAGED_DECODE_TARGET, jax.ShapeDtypeStruct((batch, heads, head_dim), q.dtype),
+                                vmap_method="sequential")  # Under vmap: one call per batch element.
         out = call(
             q[:, 0], key, value, block_tables.astype(np.int32), positions[:, 0].astype(np.int32),
             scale=np.float32(problem.scale),

@@ -98,3 +98,13 @@ def test_the_engine_s_programs_use_both_kernels_and_agree_with_the_reference_ker
     for a, b in zip(fast, slow):
         assert a.choices[0].token_ids == b.choices[0].token_ids and len(a.choices[0].token_ids) == 12
         np.testing.assert_allclose(a.choices[0].logprobs, b.choices[0].logprobs, atol=1e-5)
+
+
+def test_vmapped_over_stacked_weights_as_a_mixture_of_experts_does():
+    """vmap over a leading expert axis of x and w (one sgemm per expert) equals NumPy's batched product."""
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((3, 6, 8)).astype(np.float32), rng.standard_normal((3, 8, 5)).astype(np.float32)
+    problem = dot_problem(x[0], w[0], (0,), compute_dtype=np.float32, platform="cpu")
+    with forward_only_programs():
+        got = jax.jit(jax.vmap(lambda a, b: OpenBlasDot()(problem, a, b)))(jnp.asarray(x), jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(got), np.einsum("eti,eio->eto", x.astype(np.float64), w), rtol=1e-5, atol=1e-5)
