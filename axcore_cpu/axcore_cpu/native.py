@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import math
 import threading
 from pathlib import Path
 
 import jax
 
 from axcore.errors import AxcoreError
+from axcore.kernels import Problem, Support
 
 # The XLA FFI target of the sgemm handler (`y = x . w`, float32).
 SGEMM_TARGET = "axcore_cpu_sgemm"
@@ -68,3 +70,13 @@ def load() -> ctypes.CDLL:
         )
         _loaded["kernels"], _loaded["blas"] = kernels, blas
         return kernels
+
+
+def ffi_call_unsupported(problem: Problem) -> Support | None:
+    """Why an FFI call of this library cannot serve `problem` (not the cpu platform, or a mesh of more than one
+    device: a custom call has no sharding rule), or None if it can."""
+    if problem.platform != "cpu":
+        return Support(False, f"only for the cpu platform, not {problem.platform}")
+    if problem.mesh is not None and math.prod(problem.mesh.shape.values()) > 1:
+        return Support(False, "a mesh of more than one device (the custom call has no sharding rule)")
+    return None

@@ -53,8 +53,8 @@ class OpenBlasDot:
     priority = 10
 
     def is_supported(self, problem: DotProblem) -> Support:
-        if problem.platform != "cpu":
-            return Support(False, f"only for the cpu platform, not {problem.platform}")
+        if (unsupported := native.ffi_call_unsupported(problem)) is not None:
+            return unsupported
         if not tracing_forward_only():
             return Support(False, "no backward pass: only for forward-only programs (the inference engine's)")
         dtypes = {np.dtype(problem.w_dtype), np.dtype(problem.compute_dtype), np.dtype(problem.output_dtype)}
@@ -62,9 +62,6 @@ class OpenBlasDot:
             return Support(False, f"float32 only, not weights/compute/output {sorted(d.name for d in dtypes)}")
         if _layout(problem) is None:
             return Support(False, f"contracts weight dims {problem.contract}, neither its leading nor trailing ones")
-        mesh = problem.mesh
-        if mesh is not None and math.prod(mesh.shape.values()) > 1:
-            return Support(False, "a mesh of more than one device (the custom call has no sharding rule)")
         return unknown_extras(problem)
 
     def __call__(self, problem: DotProblem, x: jax.Array, w: jax.Array) -> jax.Array:

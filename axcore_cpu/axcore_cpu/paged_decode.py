@@ -14,8 +14,6 @@ than one device, and unknown extras, in one line each, and the XLA kernels take 
 
 from __future__ import annotations
 
-import math
-
 import jax
 import numpy as np
 
@@ -36,8 +34,8 @@ class CpuPagedDecode:
     priority = 20
 
     def is_supported(self, problem: PagedAttentionProblem) -> Support:
-        if problem.platform != "cpu":
-            return Support(False, f"only for the cpu platform, not {problem.platform}")
+        if (unsupported := native.ffi_call_unsupported(problem)) is not None:
+            return unsupported
         if problem.q_len != 1:
             return Support(False, f"decode steps only (one new token per row), not q_len {problem.q_len}")
         if np.dtype(problem.dtype) != np.dtype(np.float32):
@@ -46,9 +44,6 @@ class CpuPagedDecode:
             return Support(False, "num_heads must be a multiple of num_kv_heads")
         if problem.bias_slopes is not None or problem.bias_fn is not None:
             return Support(False, "no position biases (ALiBi slopes, bias_fn)")
-        mesh = problem.mesh
-        if mesh is not None and math.prod(mesh.shape.values()) > 1:
-            return Support(False, "a mesh of more than one device (the custom call has no sharding rule)")
         return unknown_extras(problem)
 
     def __call__(self, problem: PagedAttentionProblem, q, key, value, block_tables, positions, num_new):
