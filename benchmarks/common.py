@@ -122,7 +122,8 @@ def milliseconds(times: list[float]) -> dict[str, float]:
 
 
 def emit_report(report: dict[str, Any], path: str | None) -> None:
-    """Prints `report` as JSON (the load average added) and writes it to `path` too, if given."""
+    """Prints `report` as JSON (the machine and load average added) and writes it to `path` too, if given."""
+    report["machine"] = machine_info()
     report["load_average"] = os.getloadavg()
     text = json.dumps(report, indent=1)
     print(text)
