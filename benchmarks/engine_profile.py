@@ -1,7 +1,7 @@
 """Where an engine step's time goes on `serve_throughput.py`'s workload, in-process (no HTTP).
 
     python -m benchmarks.engine_profile RUN_DIR [--concurrency 32] [--max-seqs 32] [--kv-gib 2]
-        [--max-tokens-per-step 256] [--kernels OP=KERNEL ...] [--json OUT]
+        [--max-tokens-per-step 256] [--kernels OP=KERNEL ...] [--ragged auto|on|off] [--json OUT]
 
 RUN_DIR is the 135M import `serve_throughput.py --work-dir DIR` leaves (`DIR/import-135m`).
 The engine is built as `axcore serve` builds it (`axcore.inference.load_engine`; `--kernels`
@@ -47,7 +47,8 @@ class _Timer:
         runner._profile_inner_step, engine._profile_inner_sample = inner_step, sample
 
         def step(params, tokens, positions, num_new, tables, **kw):
-            shape = runner.padded_shape(tokens.shape[0], tokens.shape[1], tables.shape[1])
+            ragged = kw.get("logit_rows") is not None  # One token per row (`EngineConfig.ragged_steps`).
+            shape = runner.padded_shape(tokens.shape[0], tokens.shape[1], tables.shape[1], ragged=ragged)
             wall, cpu, programs = time.perf_counter(), time.process_time(), runner.num_programs
             out = jax.block_until_ready(inner_step(params, tokens, positions, num_new, tables, **kw))
             self.calls.append({"shape": shape, "rows": int(tokens.shape[0]), "valid": int(np.sum(num_new)),
@@ -125,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-warm-up", action="store_true")
     parser.add_argument("--kernels", nargs="*", default=[], metavar="OP=KERNEL",
                         help="kernels the engine's programs try first (EngineConfig.kernels)")
+    parser.add_argument("--ragged", choices=["auto", "on", "off"], default="auto",
+                        help="EngineConfig.ragged_steps: None (auto), True, False")
     parser.add_argument("--json", default=None, help="write the report (with every step) here")
     args = parser.parse_args(argv)
     if any("=" not in item for item in args.kernels):
@@ -137,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         fields["max_tokens_per_step"] = args.max_tokens_per_step
     if args.kernels:
         fields["kernels"] = dict(item.split("=", 1) for item in args.kernels)
+    fields["ragged_steps"] = {"auto": None, "on": True, "off": False}[args.ragged]
     engine = load_engine(args.run_dir, name="bench", config=EngineConfig(**fields))
     vocab, c = engine.vocab_size, args.concurrency
     lengths = length_mix(max(4, c), seed=c, quick=False)
@@ -145,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warm-up: {warm['wall_s']:.1f} s, programs {engine.runner.num_programs}", file=sys.stderr)
     report = replay(engine, prompts_for(lengths, seed=c, vocab=vocab), "timed")
     report.update(load_average=os.getloadavg(), settings=str(engine.settings), programs=engine.runner.programs,
-                  kernels=fields.get("kernels"))
+                  kernels=fields.get("kernels"), ragged_steps=engine.ragged_steps)
     summary = {k: v for k, v in report.items() if k != "per_step"}
     print(json.dumps(summary, indent=1))
     if args.json:

@@ -2,7 +2,7 @@
 
 `split_calls` cuts a step's plan into the plans of its model calls. `pack_rows` lays a `StepPlan`'s rows out in the SHARED INTERFACE of `axcore.engine`
 (`tokens`, `positions`, `num_new`, `block_tables`, unpadded: the `ModelRunner` pads to its
-buckets). `prompt_targets` says, for rows that compute a prompt whose log-probabilities
+buckets); `pack_ragged` lays them out one token per row (a ragged step). `prompt_targets` says, for rows that compute a prompt whose log-probabilities
 were asked, which token each position's logits predict. `sampling_rows` and `history`
 give `axcore.engine.sampling` its per-row parameters and, when some row has a penalty,
 each row's tokens so far.
@@ -84,6 +84,27 @@ def pack_rows(rows: Seq[Row]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
         num_new[i] = count
         tables[i, : len(row.block_table)] = row.block_table
     return tokens, positions, num_new, tables
+
+
+def pack_ragged(rows: Seq[Row]) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray,
+                                          np.ndarray]:
+    """`rows` one token per row: `((tokens [n, 1], positions [n, 1], num_new [n], block_tables [n, w]),
+    logit_rows [b], owner [n])` int32, n the plan's tokens.
+
+    Row i's chunk takes consecutive rows in order, each with row i's block table (w the
+    longest); `logit_rows[i]` is the row of its last token (whose logits it samples from),
+    `owner[r]` the plan row that token came from.
+    """
+    counts = np.array([len(row.tokens) for row in rows], np.int64)
+    owner = np.repeat(np.arange(len(rows)), counts).astype(np.int32)
+    tokens = np.concatenate([np.asarray(row.tokens, np.int32) for row in rows])[:, None]
+    positions = np.concatenate([np.arange(row.start, row.start + len(row.tokens), dtype=np.int32)
+                                for row in rows])[:, None]
+    tables = np.zeros((len(rows), max(len(row.block_table) for row in rows)), np.int32)
+    for i, row in enumerate(rows):
+        tables[i, : len(row.block_table)] = row.block_table
+    arrays = (tokens, positions, np.ones(len(owner), np.int32), tables[owner])
+    return arrays, (np.cumsum(counts) - 1).astype(np.int32), owner
 
 
 def needs_prompt_logprobs(row: Row, seq: Sequence) -> bool:

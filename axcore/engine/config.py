@@ -4,7 +4,8 @@ Sizing the KV cache: `num_blocks` blocks of `block_size` tokens per attention la
 (`num_blocks=None`) as many blocks as `kv_cache_bytes` holds over all layers. Buckets:
 a step's rows are padded to the smallest batch bucket holding them and its longest chunk
 to the smallest token bucket, so the compiled programs are at most
-`len(batch_buckets) * len(token_buckets) * (table widths) * 2` (the runner counts them and
+`len(batch_buckets) * len(token_buckets) * (table widths) * 2`, plus with ragged steps
+`len(ragged_buckets) * len(batch_buckets) * (table widths)` (the runner counts them and
 refuses one past `max_programs`).
 """
 
@@ -44,6 +45,8 @@ class EngineConfig:
     # Tokens per row a step is padded to; None = 1 (decode-only steps), then powers of two from 16 up to
     # max_tokens_per_step or max_model_len, whichever is smaller (and it).
     token_buckets: tuple[int, ...] | None = None
+    # Tokens (rows) a ragged step is padded to; None = powers of two up to max_tokens_per_step (and it).
+    ragged_buckets: tuple[int, ...] | None = None
     # Most compiled model programs; a step needing one more fails, naming this field.
     max_programs: int = 256
     # Seeds the draws of requests that set no seed (with their arrival rank).
@@ -52,6 +55,12 @@ class EngineConfig:
     # decode row padded to a long chunk; `batch.split_calls`); False: one call, whose programs' float32
     # rounding matches a full forward's more closely.
     split_mixed_steps: bool = True
+    # One call per step with one token per row (a chunk's tokens on consecutive rows of its sequence; only
+    # the rows that sample compute logits): no row padded to the longest chunk, the weights read once a
+    # step. None = when the decode steps' paged_attention kernel reads blocks in place (its
+    # `reads_blocks_in_place`: the rows' tables then cost nothing). Steps asking prompt log-probabilities
+    # run unragged.
+    ragged_steps: bool | None = None
     # Op name -> kernel the engine's programs try first (`axcore.kernels.preferred_kernels`; a layer's own
     # `kernels` choice still wins), e.g. {"paged_attention": "xla"}; None = the usual selection.
     kernels: dict[str, str] | None = None
@@ -68,6 +77,8 @@ class Resolved:
     # Batch and token buckets, ascending.
     batch_buckets: tuple[int, ...]
     token_buckets: tuple[int, ...]
+    # Rows of a ragged step (one token each), ascending.
+    ragged_buckets: tuple[int, ...] = ()
 
 
 def _powers_up_to(limit: int, start: int = 1, factor: int = 4) -> tuple[int, ...]:
@@ -118,4 +129,10 @@ def resolve(model: Any, config: EngineConfig) -> Resolved:
     if max(tokens) < min(config.max_tokens_per_step, max_model_len):
         raise ConfigError(f"engine 'token_buckets': the largest, {max(tokens)}, is below max_tokens_per_step "
                           f"{config.max_tokens_per_step} (a prefill chunk can be that long); add that bucket")
-    return Resolved(num_blocks, max_model_len, tuple(sorted(batch)), tuple(sorted(tokens)))
+    # A ragged step feeds every token of the step on its own row; decodes are never more than max_seqs.
+    most_rows = max(config.max_tokens_per_step, config.max_seqs)
+    ragged = tuple(config.ragged_buckets or _powers_up_to(most_rows, 1, factor=2))
+    if max(ragged) < most_rows:
+        raise ConfigError(f"engine 'ragged_buckets': the largest, {max(ragged)}, is below the {most_rows} tokens "
+                          f"a ragged step can feed (max_tokens_per_step, max_seqs); add that bucket")
+    return Resolved(num_blocks, max_model_len, tuple(sorted(batch)), tuple(sorted(tokens)), tuple(sorted(ragged)))

@@ -8,7 +8,10 @@ One `step()` is: the scheduler plans the rows (`Scheduler.schedule`); they are p
 into the runner's arrays (`axcore.engine.batch`); one model call (`ModelRunner.step`, all
 tokens' logits only when a row computes prompt log-probabilities), or several: the decode rows
 in one and the prefill chunks grouped into the calls that pad least (`batch.split_calls`: no
-decode row padded to a long chunk, no short chunk padded to a long one); the sampler draws a
+decode row padded to a long chunk, no short chunk padded to a long one). With ragged steps
+(`EngineConfig.ragged_steps`, on by default where the paged attention kernel reads blocks in
+place) a step is one call of one token per row (`batch.pack_ragged`), logits computed for the
+rows that sample only; the sampler draws a
 token for every row that ends at its sequence's last known token (`sampling.sample`,
 each row with its own parameters and key); the scheduler records the step
 (`finish_step`: blocks registered, sequences ended on stop tokens and lengths); each
@@ -74,7 +77,11 @@ class Engine:
         s = self.settings
         self.runner = ModelRunner(model, num_blocks=s.num_blocks, block_size=config.block_size,
                                   batch_buckets=s.batch_buckets, token_buckets=s.token_buckets,
-                                  max_programs=config.max_programs, kernels=config.kernels)
+                                  ragged_buckets=s.ragged_buckets, max_programs=config.max_programs,
+                                  kernels=config.kernels)
+        # Whether steps run ragged (one token per row); `EngineConfig.ragged_steps`.
+        self.ragged_steps = (self.runner.decode_reads_blocks_in_place(params) if config.ragged_steps is None
+                             else bool(config.ragged_steps))
         self.scheduler = Scheduler(BlockAllocator(s.num_blocks, config.block_size), max_seqs=config.max_seqs,
                                    max_tokens_per_step=config.max_tokens_per_step, max_model_len=s.max_model_len,
                                    eos_token_ids=tuple(eos_token_ids))
@@ -191,8 +198,11 @@ class Engine:
                 plan = self.scheduler.schedule()
                 if not plan.rows:
                     return []
-                parts = packing.split_calls(plan, self._call_cost) if self.config.split_mixed_steps else [plan]
-                inputs = [self._inputs(part) for part in parts]
+                if self.ragged_steps and not self._asks_prompt_logprobs(plan):
+                    parts, inputs = [plan], [self._inputs(plan, ragged=True)]
+                else:
+                    parts = packing.split_calls(plan, self._call_cost) if self.config.split_mixed_steps else [plan]
+                    inputs = [self._inputs(part) for part in parts]
             results = [self._run(part_inputs) for part_inputs in inputs]
             with self._lock:
                 return [output for part, part_inputs, result in zip(parts, inputs, results)
@@ -204,28 +214,40 @@ class Engine:
         batch, length, blocks = self.runner.padded_shape(rows, tokens, width)
         return batch * length + batch * blocks * packing.BLOCK_COST_TOKENS + packing.CALL_COST_TOKENS
 
-    def _inputs(self, plan: StepPlan) -> dict[str, Any]:
-        """Everything the model call and the draw need, read from the sequences under the lock."""
+    def _asks_prompt_logprobs(self, plan: StepPlan) -> bool:
+        """Whether a row of `plan` computes prompt tokens whose log-probabilities were asked."""
+        return any(packing.needs_prompt_logprobs(row, self.scheduler.sequence(row.seq_id)) for row in plan.rows)
+
+    def _inputs(self, plan: StepPlan, ragged: bool = False) -> dict[str, Any]:
+        """Everything the model call and the draw need, read from the sequences under the lock (`ragged`: one
+        token per row, `batch.pack_ragged`; no row may need prompt log-probabilities)."""
         seqs = [self.scheduler.sequence(row.seq_id) for row in plan.rows]
-        arrays = packing.pack_rows(plan.rows)
-        targets, wanted = packing.prompt_targets(plan.rows, seqs, arrays[0].shape[1])
+        adapters = np.array([self.adapter_slots.get(seq.request.adapter, 0) for seq in seqs], np.int32)
+        logit_rows = None
+        if ragged:
+            arrays, logit_rows, owner = packing.pack_ragged(plan.rows)
+            targets, wanted, adapters = None, [[] for _ in plan.rows], adapters[owner]
+            size = self.runner.padded_shape(len(plan.rows), 1, 1)[0]  # The logit rows' batch bucket.
+        else:
+            arrays = packing.pack_rows(plan.rows)
+            targets, wanted = packing.prompt_targets(plan.rows, seqs, arrays[0].shape[1])
+            size = self.runner.padded_shape(*arrays[0].shape, arrays[3].shape[1])[0]
         indices = [self._states[seq.request.request_id].index for seq in seqs]
         samplers = packing.sampling_rows(plan.rows, seqs, indices)
-        size = self.runner.padded_shape(*arrays[0].shape, arrays[3].shape[1])[0]
         penalties = packing.has_penalty(seqs)
         asked = [seq.request.params.prompt_logprobs for seq, positions in zip(seqs, wanted) if positions]
         return {"arrays": arrays, "targets": targets, "wanted": wanted, "params": self.params,
-                "prompt_top": top_logprobs_bucket(max(asked, default=0)),
+                "prompt_top": top_logprobs_bucket(max(asked, default=0)), "logit_rows": logit_rows,
                 "sampling": SamplingBatch.build(samplers, engine_seed=self.config.seed, size=size),
-                "history": packing.history(seqs, size) if penalties else None,
-                "adapters": np.array([self.adapter_slots.get(seq.request.adapter, 0) for seq in seqs], np.int32),
+                "history": packing.history(seqs, size) if penalties else None, "adapters": adapters,
                 "tops": [0 if s is None else s.params.logprobs or 0 for s in samplers]}
 
     def _run(self, inputs: dict[str, Any]):
         """The model call and the draw (no lock held): host arrays of tokens, log-probabilities, and the
         prompt's `(log-probabilities [B, T], top ids [B, T, K], their log-probabilities [B, T, K])` (or None)."""
         all_logits = any(inputs["wanted"])
-        out = self.runner.step(inputs["params"], *inputs["arrays"], adapters=inputs["adapters"], all_logits=all_logits)
+        out = self.runner.step(inputs["params"], *inputs["arrays"], adapters=inputs["adapters"], all_logits=all_logits,
+                               logit_rows=inputs["logit_rows"])
         prompt_lps = None
         if all_logits:
             out, every = out

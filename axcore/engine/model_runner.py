@@ -13,14 +13,21 @@ the base; padding rows 0), which the model call sees through
 `axcore.kernels.adapter_rows` (kernels holding stacked per-request adapters gather by it). The cache is donated to each call and replaced by the
 one it returns, so it is updated in place on devices that support donation.
 
+A ragged step (`logit_rows` given) feeds one token per row, several consecutive rows
+holding one sequence's chunk, and asks logits of only the rows `logit_rows` names: its
+rows are padded to `ragged_buckets` (token counts) and `logit_rows` to `batch_buckets`
+(S, the sequences), so a step's prefill chunks and decodes run as one call with no
+padding to the longest chunk.
+
 Compilation is bounded: programs are compiled ahead of time, one per distinct
-`(B, T, W, all_logits)`, counted (`num_programs`, `programs`), and a step that would
+`(B, T, W, all_logits, S)` (S None: every row's logits), counted (`num_programs`, `programs`), and a step that would
 compile one past `max_programs` raises `ModelRunnerError` naming `max_programs`.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,7 +37,8 @@ import numpy as np
 
 from axcore.errors import AxcoreError
 from axcore.kernels.adapter_rows import adapter_rows
-from axcore.kernels.registry import forward_only_programs, preferred_kernels
+from axcore.kernels.paged_attention import PAGED_ATTENTION
+from axcore.kernels.registry import forward_only_programs, preferred_kernels, record_kernel_choices
 from axcore.module import Module, functional
 
 
@@ -69,6 +77,7 @@ class ModelRunner:
         block_size: tokens per block.
         batch_buckets: row counts B a step is padded to (the largest is the most rows per step).
         token_buckets: tokens per row T a step is padded to (the largest is the longest chunk).
+        ragged_buckets: row counts a ragged step (one token per row) is padded to; None = batch_buckets.
         max_programs: most compiled programs; one more raises `ModelRunnerError`.
         kernels: op name -> kernel name the programs try first (`axcore.kernels.preferred_kernels`), or None.
     """
@@ -82,6 +91,7 @@ class ModelRunner:
         batch_buckets: Sequence[int],
         token_buckets: Sequence[int],
         max_programs: int,
+        ragged_buckets: Sequence[int] | None = None,
         kernels: dict[str, str] | None = None,
     ):
         self.model = model
@@ -89,6 +99,8 @@ class ModelRunner:
         self.block_size = _positive("block_size", block_size)
         self.batch_buckets = _buckets("batch_buckets", batch_buckets)
         self.token_buckets = _buckets("token_buckets", token_buckets)
+        self.ragged_buckets = self.batch_buckets if ragged_buckets is None else _buckets("ragged_buckets",
+                                                                                         ragged_buckets)
         self.max_programs = _positive("max_programs", max_programs)
         self.kernels = dict(kernels or {})
         limit = model.max_cache_len()
@@ -102,7 +114,7 @@ class ModelRunner:
         # The paged KV cache (`CausalLM.init_paged_cache`), replaced by each step's updated one.
         self.cache = model.init_paged_cache(self.num_blocks, self.block_size)
         self._jitted = jax.jit(self._step, donate_argnums=(1,), static_argnames=("all_logits",))
-        self._programs: dict[tuple[int, int, int, bool], Any] = {}
+        self._programs: dict[tuple[int, int, int, bool, int | None], Any] = {}
 
     @property
     def num_programs(self) -> int:
@@ -110,11 +122,12 @@ class ModelRunner:
         return len(self._programs)
 
     @property
-    def programs(self) -> list[tuple[int, int, int, bool]]:
-        """The `(B, T, W, all_logits)` of each compiled program, in compile order."""
+    def programs(self) -> list[tuple[int, int, int, bool, int | None]]:
+        """The `(B, T, W, all_logits, S)` of each compiled program, in compile order (S: the logit rows of a
+        ragged step's program, None for every row's)."""
         return list(self._programs)
 
-    def temp_bytes(self) -> dict[tuple[int, int, int, bool], int]:
+    def temp_bytes(self) -> dict[tuple[int, int, int, bool, int | None], int]:
         """Scratch bytes each compiled program needs besides its inputs and outputs (XLA's memory analysis;
         the donated cache is updated in place, so this stays far below `cache_bytes`)."""
         return {key: int(program.memory_analysis().temp_size_in_bytes) for key, program in self._programs.items()}
@@ -124,10 +137,12 @@ class ModelRunner:
         """Bytes of the paged KV cache (every layer's keys and values)."""
         return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(self.cache))
 
-    def padded_shape(self, rows: int, tokens: int, width: int) -> tuple[int, int, int]:
-        """`(B, T, W)`: the smallest batch, token and table-width buckets holding a step's sizes."""
+    def padded_shape(self, rows: int, tokens: int, width: int, ragged: bool = False) -> tuple[int, int, int]:
+        """`(B, T, W)`: the smallest batch (`ragged`: ragged-step), token and table-width buckets holding a
+        step's sizes."""
+        field, buckets = ("ragged_buckets", self.ragged_buckets) if ragged else ("batch_buckets", self.batch_buckets)
         return (
-            self._bucket("batch_buckets", self.batch_buckets, rows, "rows"),
+            self._bucket(field, buckets, rows, "rows"),
             self._bucket("token_buckets", self.token_buckets, tokens, "tokens per row"),
             self._bucket("block_tables", self.table_buckets, width, "blocks per sequence"),
         )
@@ -149,6 +164,7 @@ class ModelRunner:
         *,
         adapters: np.ndarray | None = None,
         all_logits: bool = False,
+        logit_rows: np.ndarray | None = None,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Runs one engine step; the cache keeps the new tokens' keys and values.
 
@@ -161,18 +177,30 @@ class ModelRunner:
             adapters: `[b]` int adapter slot of each row (0 = the base; None = all 0), for kernels whose
                 parameters stack per-request adapters (`axcore.kernels.adapter_rows`).
             all_logits: also return every token's logits (prompt log-probabilities).
+            logit_rows: `[s]` int, a ragged step: the logits returned are those of these rows (each a
+                sequence's last fed token), padded to a batch bucket S; rows to a ragged bucket.
 
         Returns:
             float32 logits `[B, vocab]` of each row's last valid token (rows >= b: padding
-            rows, finite garbage); with `all_logits`, `(that, [B, T, vocab])`.
+            rows, finite garbage; `[S, vocab]` of the `logit_rows`, then padding, in a ragged
+            step); with `all_logits`, `(that, [B, T, vocab])`.
         """
         arrays = self._checked(tokens, positions, num_new, block_tables)
         b, t = arrays[0].shape
-        shape = self.padded_shape(b, t, arrays[3].shape[1])
+        ragged = logit_rows is not None
+        shape = self.padded_shape(b, t, arrays[3].shape[1], ragged=ragged)
         rows, cols = shape[0], (shape[1], shape[1], None, shape[2])
         padded = [np.pad(a, [(0, rows - b)] + ([] if c is None else [(0, c - a.shape[1])])) for a, c in zip(arrays, cols)]
         padded.append(np.pad(self._slots(adapters, b), (0, rows - b)))
-        key = (*shape, bool(all_logits))
+        selected = None
+        if ragged:
+            if all_logits:
+                raise ModelRunnerError("logit_rows", "a ragged step returns the logit rows' logits only; "
+                                       "drop all_logits or logit_rows.")
+            picks = self._logit_rows(logit_rows, b)
+            selected = self._bucket("batch_buckets", self.batch_buckets, len(picks), "logit rows")
+            padded.append(np.pad(picks, (0, selected - len(picks))))
+        key = (*shape, bool(all_logits), selected)
         program = self._programs.get(key)
         if program is None:
             if len(self._programs) >= self.max_programs:
@@ -187,6 +215,28 @@ class ModelRunner:
             self._programs[key] = program
         out, self.cache = program(params, self.cache, *padded)
         return out
+
+    def decode_reads_blocks_in_place(self, params: Any) -> bool:
+        """Whether every `paged_attention` call of a decode step goes to a kernel that reads its blocks in
+        place (declares `reads_blocks_in_place`; `axcore.kernels.paged_attention`), found by tracing one
+        abstract decode step (nothing compiled or run)."""
+        one = np.ones((1, 1), np.int32)
+        arrays = (one, one * 0, one[0], one, one[0] * 0)  # tokens, positions, num_new, tables, adapters.
+        with record_kernel_choices() as choices, preferred_kernels(self.kernels), forward_only_programs():
+            jax.eval_shape(functools.partial(self._step, all_logits=False), params, self.cache, *arrays)
+        chosen = choices.get(PAGED_ATTENTION.name, {})
+        kernels = {k.name: k for k in self.model.registries.kernels.candidates(PAGED_ATTENTION)}
+        return bool(chosen) and all(getattr(kernels.get(name), "reads_blocks_in_place", False) for name in chosen)
+
+    @staticmethod
+    def _logit_rows(logit_rows: np.ndarray, b: int) -> np.ndarray:
+        """The `[s]` int32 logit rows, checked to index the step's b rows (`ModelRunnerError` naming `logit_rows`)."""
+        picks = np.asarray(logit_rows)
+        if picks.ndim != 1 or not np.issubdtype(picks.dtype, np.integer) or (
+                picks.size and (picks.min() < 0 or picks.max() >= b)):
+            raise ModelRunnerError("logit_rows", f"has shape {picks.shape} and dtype {picks.dtype}; expected 1-D "
+                                   f"integers in 0..{b - 1} (rows of the step).")
+        return picks.astype(np.int32)
 
     @staticmethod
     def _slots(adapters: np.ndarray | None, b: int) -> np.ndarray:
@@ -226,13 +276,16 @@ class ModelRunner:
             )
         return [a.astype(np.int32) for a in arrays]
 
-    def _step(self, params, cache, tokens, positions, num_new, block_tables, adapters, *, all_logits: bool):
+    def _step(self, params, cache, tokens, positions, num_new, block_tables, adapters, logit_rows=None, *,
+              all_logits: bool):
         """The compiled step: `extend_paged` (each row's adapter slot in `adapter_rows`), then the last valid
-        token's logits (and all, if asked)."""
+        token's logits (of the `logit_rows` only, if given; every token's too, if asked)."""
         inputs = {
             "input_ids": tokens, "cache": cache, "positions": positions, "num_new": num_new,
             "block_tables": block_tables, "all_logits": all_logits,
         }
+        if logit_rows is not None:
+            inputs["logit_rows"] = logit_rows
         with adapter_rows(adapters):
             (logits, cache), _ = functional(self.model, params, inputs, None, False, method="extend_paged")
         if not all_logits:

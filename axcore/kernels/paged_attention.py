@@ -23,6 +23,11 @@ softcap)`, then the position bias (ALiBi slopes `-slope_h * |p - j|`, or `bias_f
 kv_positions)`), as in the `attention` op. GQA/MQA: query head n reads kv head
 `n // (num_heads // num_kv_heads)`. Padding tokens (i >= num_new[b]) get finite values
 nobody reads.
+
+A kernel may declare `reads_blocks_in_place = True` when its cost does not grow with the
+block tables' padded width (it reads each row's blocks through its table, up to the row's
+position, and gathers nothing): the engine then runs each step ragged, one token per row
+(`EngineConfig.ragged_steps`), which only such kernels make cheap.
 """
 
 from __future__ import annotations

@@ -271,6 +271,7 @@ class CausalLM(BaseLayer):
         num_new: jax.Array,
         block_tables: jax.Array,
         all_logits: bool = False,
+        logit_rows: jax.Array | None = None,
     ) -> tuple[jax.Array, dict]:
         """One inference-engine step over a paged KV cache: each row feeds a chunk of one sequence.
 
@@ -286,16 +287,23 @@ class CausalLM(BaseLayer):
             num_new: `[batch]` int valid tokens per row (0: an empty padding row).
             block_tables: `[batch, max_blocks]` int block ids of each row's sequence, padded with 0.
             all_logits: return every token's logits instead of the last valid one's.
+            logit_rows: `[s]` int rows whose last valid token's logits are returned (the head runs on
+                those s rows only; rows may repeat); None = every row. Ignored with `all_logits`.
+                Several rows of one sequence (one token each, consecutive positions) form a ragged
+                step: only the row of its last token needs logits.
 
         Returns:
             `(logits, cache)`: float32 logits `[batch, vocab_size]` of each row's last valid token
-            (token `max(num_new[b] - 1, 0)`), or `[batch, t, vocab_size]` with `all_logits`;
+            (token `max(num_new[b] - 1, 0)`; `[s, vocab_size]`, row i the logits of row
+            `logit_rows[i]`, with `logit_rows`), or `[batch, t, vocab_size]` with `all_logits`;
             padding tokens' and empty rows' logits are finite garbage.
         """
         paged = {"positions": positions, "num_new": num_new, "block_tables": block_tables}
         x, decoder_cache = self.decoder.extend_paged(self._embed(input_ids, positions), cache["decoder"], **paged)
         if all_logits:
             return self._head(x), {"decoder": decoder_cache}
+        if logit_rows is not None:
+            x, num_new = x[logit_rows], num_new[logit_rows]
         last = jnp.maximum(num_new - 1, 0)[:, None, None]
         return self._head(jnp.take_along_axis(x, last, axis=1))[:, 0], {"decoder": decoder_cache}
 

@@ -32,6 +32,9 @@ class CpuPagedDecode:
     name = "cpu_paged_decode"
     # Above axcore's `xla_cpu_decode` (10): on the CPU, the decode steps it supports run here.
     priority = 20
+    # Reads each row's blocks through its table up to its position: a wide table costs nothing (the
+    # engine then runs its steps ragged, `axcore.kernels.paged_attention`).
+    reads_blocks_in_place = True
 
     def is_supported(self, problem: PagedAttentionProblem) -> Support:
         if (unsupported := native.ffi_call_unsupported(problem)) is not None:

@@ -4,7 +4,9 @@ References are independent of the engine: transformers' greedy `generate` on the
 weights, and axcore's full forward (`logits` over the whole sequence, no cache) for
 log-probabilities and for parameters transformers does not hold. One engine (a small
 cache: 12 blocks of 4 tokens, so several long sequences preempt each other) serves the
-module; counters are compared before and after each scenario.
+module, its steps split into calls (`split_mixed_steps`); a second with ragged steps (one
+token per row) runs the equivalence scenarios too. Counters are compared before and after
+each scenario.
 """
 
 import asyncio
@@ -31,7 +33,7 @@ hf_testing = pytest.importorskip("axcore_hf.testing")
 
 VOCAB = 256  # The run's byte tokenizer has 256 ids.
 CONFIG = EngineConfig(block_size=4, num_blocks=13, max_seqs=4, max_tokens_per_step=16, batch_buckets=(4,),
-                      token_buckets=(16,))
+                      token_buckets=(16,), ragged_steps=False)
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -51,6 +53,14 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(tiny):
     engine = load_engine(str(tiny[1]), config=CONFIG)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def ragged_engine(tiny):
+    """The same cache and budget, each step one call of one token per row."""
+    engine = load_engine(str(tiny[1]), config=dataclasses.replace(CONFIG, ragged_steps=True, ragged_buckets=(16,)))
     yield engine
     engine.close()
 
@@ -117,10 +127,11 @@ def run_until_done(engine, requests, steps_between=()):
 
 
 @pytest.mark.slow  # Compiles the engine's programs (about 10-30 s on 2 loaded cores).
-def test_greedy_outputs_equal_transformers_generate(engine, tiny):
+@pytest.mark.parametrize("which", ["engine", "ragged_engine"])
+def test_greedy_outputs_equal_transformers_generate(which, tiny, request):
     """Mixed prompt lengths, requests joining mid-flight, a shared prefix found in the prefix cache, n = 3 at
     temperature 0, and preemptions on the small cache: every choice is transformers' greedy continuation."""
-    model = tiny[0]
+    engine, model = request.getfixturevalue(which), tiny[0]
     shared = prompt(9, 13)
     prompts = [prompt(1, 3), prompt(2, 14), prompt(3, 9), shared + [5, 6], shared + [7]]
     before = engine.stats()
@@ -161,10 +172,12 @@ def test_decodes_beside_a_prefill_chunk_run_as_their_own_model_call(engine, tiny
 
 
 @pytest.mark.slow  # Compiles the engine's programs (about 10-30 s on 2 loaded cores).
-def test_logprobs_equal_the_full_forward(engine, forward):
+@pytest.mark.parametrize("which", ["engine", "ragged_engine"])
+def test_logprobs_equal_the_full_forward(which, forward, request):
     """Sampled tokens' log-probabilities, their top 5, and the prompt's, within 1e-4 of log_softmax of the
-    full forward's logits over the prompt and the output."""
-    ids = prompt(4, 11)
+    full forward's logits over the prompt and the output (a ragged engine computes the prompt's step
+    unragged: it needs every token's logits)."""
+    engine, ids = request.getfixturevalue(which), prompt(4, 11)
     params = SamplingParams(max_tokens=5, logprobs=5, prompt_logprobs=2, **GREEDY)
     (out,) = engine.generate([GenerationRequest("lp", ids, params)])
     choice = out.choices[0]
@@ -178,6 +191,34 @@ def test_logprobs_equal_the_full_forward(engine, forward):
         np.testing.assert_allclose(list(choice.top_logprobs[j].values()), row[top], atol=1e-4)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
     np.testing.assert_allclose(out.prompt_logprobs[1:], reference[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+
+
+@pytest.mark.slow  # Compiles the engine's programs (about 10-30 s on 2 loaded cores).
+def test_a_ragged_step_is_one_call_of_its_tokens_with_logits_for_its_sequences(ragged_engine, forward, monkeypatch):
+    """Decodes beside prompt chunks: every step is one call, a row per token (prefill chunks on consecutive
+    rows of their sequence's table), logits asked for each sequence's last row only; the sampled tokens'
+    log-probabilities stay within 1e-4 of the full forward's."""
+    engine, calls = ragged_engine, []
+    step = engine.runner.step
+
+    def spy(params, tokens, positions, num_new, tables, **kwargs):
+        calls.append((tokens.shape, num_new.tolist(), positions[:, 0].tolist(), kwargs["logit_rows"].tolist()))
+        return step(params, tokens, positions, num_new, tables, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "step", spy)
+    prompts = [prompt(41, 3), prompt(42, 2), prompt(43, 14)]
+    requests = [GenerationRequest(f"ragged{k}", p, SamplingParams(max_tokens=6, logprobs=0, **GREEDY))
+                for k, p in enumerate(prompts)]
+    outputs = run_until_done(engine, requests, steps_between=(0, 2))
+    assert calls[0] == ((5, 1), [1] * 5, [0, 1, 2, 0, 1], [2, 4])  # Both short prompts, one row per token.
+    mixed = [c for c in calls if len(c[3]) == 3]  # Two decodes and the long prompt's chunk in one call.
+    assert mixed and mixed[0][0] == (16, 1) and mixed[0][2][2:] == list(range(14)) and mixed[0][3] == [0, 1, 15]
+    for p, out in zip(prompts, outputs):
+        tokens = out.choices[0].token_ids
+        reference = log_softmax(forward(engine.params, p + tokens))
+        assert tokens == [int(np.argmax(reference[len(p) + j - 1])) for j in range(6)]
+        np.testing.assert_allclose(out.choices[0].logprobs, reference[len(p) - 1 + np.arange(6), tokens], atol=1e-4)
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_a_seed_draws_the_same_tokens_alone_and_in_a_batch(engine):

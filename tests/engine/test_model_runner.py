@@ -78,7 +78,7 @@ def test_programs_are_one_per_bucket_shape_and_capped(llama):
     step(1, 1)  # -> (2, 1, 1).
     step(2, 2, width=2)  # -> (2, 4, 2).
     step(1, 4, width=4)  # -> (2, 4, 4): no new program.
-    assert runner.programs == [(2, 4, 4, False), (2, 1, 1, False), (2, 4, 2, False)]
+    assert runner.programs == [(2, 4, 4, False, None), (2, 1, 1, False, None), (2, 4, 2, False, None)]
     with pytest.raises(ModelRunnerError, match=r"^'max_programs': .*needs compiled program 4, past max_programs 3"):
         step(3, 1)  # -> (4, 1, 1), a fourth program.
     assert runner.num_programs == 3
