@@ -52,6 +52,19 @@ def test_sgemm_splits_wide_products_over_threads_exactly():
     np.testing.assert_allclose(got_t, got, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [2, 3, 7, 8, 9, 16, 17])
+def test_products_of_few_and_many_rows_agree_with_numpy(rows):
+    """A decode step's few rows and more, both layouts, 1000 columns cut into parts over threads, a contraction
+    of 75: within float32 rounding of NumPy's float64."""
+    rng = np.random.default_rng(rows)
+    x, w = rng.standard_normal((rows, 75)).astype(np.float32), rng.standard_normal((75, 1000)).astype(np.float32)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    got = np.asarray(jax.jit(lambda a, b: sgemm(a, b, trans_w=False))(x, w))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    got_t = np.asarray(jax.jit(lambda a, b: sgemm(a, b, trans_w=True))(x, w.T.copy()))
+    np.testing.assert_allclose(got_t, want, rtol=1e-5, atol=1e-4)
+
+
 def test_serves_only_forward_only_float32_cpu_programs():
     x, w = jnp.zeros((4, 8)), jnp.zeros((8, 3))
     base = dot_problem(x, w, (0,), compute_dtype=np.float32, platform="cpu")
