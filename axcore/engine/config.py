@@ -5,7 +5,7 @@ Sizing the KV cache: `num_blocks` blocks of `block_size` tokens per attention la
 a step's rows are padded to the smallest batch bucket holding them and its longest chunk
 to the smallest token bucket, so the compiled programs are at most
 `len(batch_buckets) * len(token_buckets) * (table widths) * 2`, plus with ragged steps
-`len(ragged_buckets) * len(batch_buckets) * (table widths)` (the runner counts them and
+`len(ragged_buckets) * (table widths)` (the runner counts them and
 refuses one past `max_programs`).
 """
 

@@ -227,7 +227,8 @@ class Engine:
         if ragged:
             arrays, logit_rows, owner = packing.pack_ragged(plan.rows)
             targets, wanted, adapters = None, [[] for _ in plan.rows], adapters[owner]
-            size = self.runner.padded_shape(len(plan.rows), 1, 1)[0]  # The logit rows' batch bucket.
+            rows = self.runner.padded_shape(len(owner), 1, arrays[3].shape[1], ragged=True)[0]
+            size = self.runner.logit_rows_bucket(rows)  # The logit rows, padded as the runner pads them.
         else:
             arrays = packing.pack_rows(plan.rows)
             targets, wanted = packing.prompt_targets(plan.rows, seqs, arrays[0].shape[1])

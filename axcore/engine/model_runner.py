@@ -15,13 +15,15 @@ one it returns, so it is updated in place on devices that support donation.
 
 A ragged step (`logit_rows` given) feeds one token per row, several consecutive rows
 holding one sequence's chunk, and asks logits of only the rows `logit_rows` names: its
-rows are padded to `ragged_buckets` (token counts) and `logit_rows` to `batch_buckets`
-(S, the sequences), so a step's prefill chunks and decodes run as one call with no
-padding to the longest chunk.
+rows are padded to `ragged_buckets` (token counts) and `logit_rows` to S, the padded rows
+up to the largest batch bucket (`logit_rows_bucket`: one program per row bucket and table
+width), so a step's prefill chunks and decodes run as one call with no padding to the
+longest chunk.
 
 Compilation is bounded: programs are compiled ahead of time, one per distinct
-`(B, T, W, all_logits, S)` (S None: every row's logits), counted (`num_programs`, `programs`), and a step that would
-compile one past `max_programs` raises `ModelRunnerError` naming `max_programs`.
+`(B, T, W, all_logits, S)` (S None: every row's logits), counted (`num_programs`,
+`programs`), and a step that would compile one past `max_programs` raises
+`ModelRunnerError` naming `max_programs`.
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ class ModelRunner:
                 parameters stack per-request adapters (`axcore.kernels.adapter_rows`).
             all_logits: also return every token's logits (prompt log-probabilities).
             logit_rows: `[s]` int, a ragged step: the logits returned are those of these rows (each a
-                sequence's last fed token), padded to a batch bucket S; rows to a ragged bucket.
+                sequence's last fed token), padded to S (`logit_rows_bucket`); rows to a ragged bucket.
 
         Returns:
             float32 logits `[B, vocab]` of each row's last valid token (rows >= b: padding
@@ -198,7 +200,10 @@ class ModelRunner:
                 raise ModelRunnerError("logit_rows", "a ragged step returns the logit rows' logits only; "
                                        "drop all_logits or logit_rows.")
             picks = self._logit_rows(logit_rows, b)
-            selected = self._bucket("batch_buckets", self.batch_buckets, len(picks), "logit rows")
+            selected = self.logit_rows_bucket(rows)
+            if len(picks) > selected:
+                raise ModelRunnerError("logit_rows", f"names {len(picks)} rows, more than the largest batch bucket "
+                                       f"{self.batch_buckets[-1]}; give at most that many.")
             padded.append(np.pad(picks, (0, selected - len(picks))))
         key = (*shape, bool(all_logits), selected)
         program = self._programs.get(key)
@@ -215,6 +220,11 @@ class ModelRunner:
             self._programs[key] = program
         out, self.cache = program(params, self.cache, *padded)
         return out
+
+    def logit_rows_bucket(self, rows: int) -> int:
+        """S, the logit rows of a ragged step padded to `rows` rows: `rows` up to the largest batch bucket, else
+        that bucket (a step never samples more sequences than either)."""
+        return min(rows, self.batch_buckets[-1])
 
     def decode_reads_blocks_in_place(self, params: Any) -> bool:
         """Whether every `paged_attention` call of a decode step goes to a kernel that reads its blocks in

@@ -1,19 +1,24 @@
 """`openblas`: the `dot` op's kernel for the inference engine's programs on the CPU, through OpenBLAS's sgemm.
 
-XLA:CPU runs a weight matmul of a few rows (a decode step's) far below what the CPU can
-do; OpenBLAS's sgemm, called through an XLA FFI custom call on the same buffers (no
-copy), runs them about twice as fast (`benchmarks/cpu_dot.py`). One row stays with XLA,
-whose matrix-vector product is faster than sgemm's there.
+On an AVX2 CPU (the 2-core AMD EPYC of `benchmarks/README.md`) XLA:CPU runs a weight matmul
+of a few rows (a decode step's) far below what the CPU can do; OpenBLAS's sgemm, called
+through an XLA FFI custom call on the same buffers (no copy), ran them about twice as fast.
+One row stays with XLA, whose matrix-vector product is faster than sgemm's there. On a CPU
+with AVX-512 (the 2-core Xeon of the same file) it is the other way round: XLA's dot took
+0.61-0.86x sgemm's time at every row count from 1 to 256 on the 135M model's matrices
+(`benchmarks/cpu_dot_rows.py`), so there the kernel declines (`xla_dot_is_faster`).
 
 The kernel has no backward pass, so it serves only programs traced inside
 `axcore.kernels.forward_only_programs()` (the engine's `ModelRunner`); training steps
 keep XLA's dot. It declines: other platforms, anything but float32 (weights, compute and
 output), weights whose contracted dims are neither their leading nor their trailing ones,
-meshes of more than one device (a custom call has no sharding rule), and unknown extras.
+meshes of more than one device (a custom call has no sharding rule), unknown extras, and
+every problem on a CPU with AVX-512.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -45,6 +50,18 @@ def sgemm(x: jax.Array, w: jax.Array, *, trans_w: bool) -> jax.Array:
     return call(x, w, trans_w=np.int64(trans_w))
 
 
+@functools.cache
+def xla_dot_is_faster() -> bool:
+    """Whether this CPU has AVX-512 (`avx512f` in /proc/cpuinfo), where XLA:CPU's own dot was measured faster than
+    sgemm (module docstring); read once, on first use."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512f" in flags
+
+
 class OpenBlasDot:
     """The `dot` op through OpenBLAS on the CPU, for forward-only programs (module docstring)."""
 
@@ -62,6 +79,8 @@ class OpenBlasDot:
             return Support(False, f"float32 only, not weights/compute/output {sorted(d.name for d in dtypes)}")
         if _layout(problem) is None:
             return Support(False, f"contracts weight dims {problem.contract}, neither its leading nor trailing ones")
+        if xla_dot_is_faster():
+            return Support(False, "this CPU has AVX-512, where XLA's own dot was measured faster than sgemm")
         return unknown_extras(problem)
 
     def __call__(self, problem: DotProblem, x: jax.Array, w: jax.Array) -> jax.Array:

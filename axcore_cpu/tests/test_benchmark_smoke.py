@@ -1,10 +1,14 @@
-"""benchmarks/cpu_kernels.py --smoke in this process: both runners run every step shape and agree."""
+"""benchmarks/cpu_kernels.py and cpu_dot_rows.py --smoke in this process: both contenders run and agree."""
 
 from __future__ import annotations
 
 
-def test_cpu_kernels_smoke_runs_both_contenders_and_they_agree():
+def test_cpu_kernels_smoke_runs_both_contenders_and_they_agree(monkeypatch):
     from benchmarks.cpu_kernels import main
+
+    from axcore_cpu import openblas_dot
+
+    monkeypatch.setattr(openblas_dot, "xla_dot_is_faster", lambda: False)  # openblas serves (not on AVX-512 CPUs).
 
     report = main(["--smoke"])
     assert set(report["shapes"]) == {"B4xT1xW2", "B2xT8xW2"}
@@ -14,3 +18,13 @@ def test_cpu_kernels_smoke_runs_both_contenders_and_they_agree():
     assert prefill["kernels"]["default"]["paged_attention"] == ["xla"]  # Prefill chunks: the reference.
     for entry in report["shapes"].values():
         assert entry["logits_max_abs_diff"] < 1e-4 and entry["default"]["median_ms"] > 0
+
+
+def test_cpu_dot_rows_smoke_times_both_products_and_they_agree():
+    """benchmarks/cpu_dot_rows.py --smoke: XLA's dot and the sgemm FFI call on the same small decoder."""
+    from benchmarks.cpu_dot_rows import main
+
+    report = main(["--smoke"])
+    assert set(report["rows"]) == {"1", "4"}
+    for entry in report["rows"].values():
+        assert entry["max_abs_diff"] < 1e-4 and entry["xla"]["median_ms"] > 0 and entry["sgemm"]["median_ms"] > 0

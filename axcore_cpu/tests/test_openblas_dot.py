@@ -11,8 +11,14 @@ import pytest
 
 from axcore.kernels import dot_problem, forward_only_programs, record_kernel_choices
 
-from axcore_cpu import OpenBlasDot
-from axcore_cpu.openblas_dot import sgemm
+from axcore_cpu import OpenBlasDot, openblas_dot
+from axcore_cpu.openblas_dot import sgemm, xla_dot_is_faster
+
+
+@pytest.fixture(autouse=True)
+def serving_here(monkeypatch):
+    """The kernel as it serves on a CPU without AVX-512 (on one with, it declines every problem: tested below)."""
+    monkeypatch.setattr(openblas_dot, "xla_dot_is_faster", lambda: False)
 
 
 def run(x, w, contract):
@@ -81,6 +87,21 @@ def test_serves_only_forward_only_float32_cpu_programs():
         }
         for what, problem in declines.items():
             assert not kernel.is_supported(problem), what
+
+
+def test_declines_everything_on_a_cpu_with_avx512(monkeypatch):
+    x, w = jnp.zeros((4, 8)), jnp.zeros((8, 3))
+    problem = dot_problem(x, w, (0,), compute_dtype=np.float32, platform="cpu")
+    monkeypatch.setattr(openblas_dot, "xla_dot_is_faster", lambda: True)
+    with forward_only_programs():
+        support = OpenBlasDot().is_supported(problem)
+    assert not support and "AVX-512" in support.reason
+
+
+def test_reads_avx512_from_the_cpu_s_flags():
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        flags = next(line for line in f if line.startswith("flags")).split()
+    assert xla_dot_is_faster() == ("avx512f" in flags)  # The real function (the fixture patches the module's name).
 
 
 def test_the_engine_s_programs_use_both_kernels_and_agree_with_the_reference_kernels():

@@ -65,6 +65,28 @@ def test_chunked_steps_of_mixed_rows_give_the_full_forward_logits(llama):
     assert runner.num_programs == len(set(runner.programs)) <= 8
 
 
+def test_a_ragged_step_gives_the_full_forward_logits_of_its_logit_rows(llama):
+    """Two sequences' chunks one token per row (3 rows of sequence 0, 2 of sequence 1, each row its sequence's
+    table), logits asked for each chunk's last row: the full forward's logits there; a second ragged step of the
+    same row bucket and width, another number of logit rows, compiles no program; too many logit rows are refused."""
+    model, params, ids, full = llama
+    runner = runner_of(model, ragged_buckets=[8])
+    tables = np.array([[1, 2, 0], [3, 0, 0]], np.int32)
+    owner, positions = np.array([0, 0, 0, 1, 1]), np.array([0, 1, 2, 0, 1])
+    tokens = ids[owner, positions][:, None].astype(np.int32)
+    last = runner.step(params, tokens, positions[:, None], np.ones(5, np.int32), tables[owner],
+                       logit_rows=np.array([2, 4]))
+    assert last.shape == (4, VOCAB)  # S = min(8 rows, the largest batch bucket 4).
+    np.testing.assert_allclose(last[:2], full[[0, 1], [2, 1]], atol=2e-5, rtol=1e-5)
+    more = runner.step(params, ids[0, 3:5][:, None].astype(np.int32), np.array([[3], [4]]), np.ones(2, np.int32),
+                       tables[[0, 0]], logit_rows=np.array([1]))
+    np.testing.assert_allclose(more[0], full[0, 4], atol=2e-5, rtol=1e-5)
+    assert runner.programs == [(8, 1, 4, False, 4)]
+    with pytest.raises(ModelRunnerError, match=r"^'logit_rows': names 5 rows, more than the largest batch bucket 4"):
+        runner.step(params, tokens, positions[:, None], np.ones(5, np.int32), tables[owner],
+                    logit_rows=np.arange(5))
+
+
 def test_programs_are_one_per_bucket_shape_and_capped(llama):
     model, params, _, _ = llama
     runner = runner_of(model, max_programs=3)
