@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for m in rows:
         x = jnp.asarray(rng.standard_normal((m, shape["dim"]), np.float32))
         outs = {name: np.asarray(program(x, layers, head)) for name, program in programs.items()}  # Compiles.
-        times = alternate({name: (lambda p=program: timed(lambda: jax.block_until_ready(p(x, layers, head))))
+        times = alternate({name: (lambda p=program, x=x: timed(lambda: jax.block_until_ready(p(x, layers, head))))
                            for name, program in programs.items()}, rounds)
         entry: dict[str, Any] = {name: milliseconds(t) for name, t in times.items()}
         entry["ratio_sgemm_over_xla"] = entry["sgemm"]["median_ms"] / entry["xla"]["median_ms"]
