@@ -103,3 +103,19 @@ def test_declines_what_it_does_not_compute():
     for what, problem in declines.items():
         support = kernel.is_supported(problem)
         assert not support, what
+
+
+@pytest.mark.parametrize(("kernels", "ragged"), [(None, True), ({"paged_attention": "xla"}, False)])
+def test_the_engine_runs_ragged_steps_where_this_kernel_serves_its_decodes(kernels, ragged):
+    """The kernel declares `reads_blocks_in_place`: an engine whose decode steps it serves runs ragged steps by
+    default; one whose decodes go to the gathering reference does not."""
+    from axcore.engine import Engine, EngineConfig
+    from axcore.experiment import load_experiment
+    from axcore.testing import TINY_OVERRIDES
+
+    assert CpuPagedDecode.reads_blocks_in_place
+    exp = load_experiment(None, [*TINY_OVERRIDES, "model.compute_dtype=float32"])
+    model = exp.config.model.instantiate(name="model", registries=exp.registries)
+    engine = Engine(model, model.initialize(jax.random.key(0)), None,
+                    config=EngineConfig(max_seqs=2, num_blocks=8, kernels=kernels))
+    assert engine.ragged_steps is ragged and engine.runner.num_programs == 0  # Decided by tracing, not compiling.
