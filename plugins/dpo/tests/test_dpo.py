@@ -141,7 +141,9 @@ def test_the_reward_margin_rises_over_30_steps(tmp_path):
     for _ in range(30):
         state, metrics = train(state, next(batches))
         history.append({k: float(v) for k, v in metrics.items()})
-    assert history[0]["reward_margin"] == 0.0 and abs(history[0]["loss"] - math.log(2)) < 1e-6
+    # Policy = reference at step 0: the margin is 0 up to float32 rounding (their log-probabilities come from
+    # different fusions, which round differently on some CPUs: 1.9e-6 seen on an AVX-512 Xeon).
+    assert abs(history[0]["reward_margin"]) < 1e-5 and abs(history[0]["loss"] - math.log(2)) < 1e-5
     late = np.mean([h["reward_margin"] for h in history[-5:]])
     assert late > 0.5, [round(h["reward_margin"], 3) for h in history]
     assert history[-1]["reward_accuracy"] == 1.0 and history[-1]["loss"] < 0.5

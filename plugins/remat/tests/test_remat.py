@@ -62,7 +62,8 @@ def test_gradients_equal_without_remat_and_fewer_residuals_are_saved(capsys):
     both = jax.jit(lambda p, x: (jax.grad(_loss_fn(remat))(p, x), jax.grad(_loss_fn(plain))(p, x)))
     actual, expected = both(params, x)
     for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        # Recomputed forwards fuse differently: float32 rounding apart (3e-6 seen at 0.2 on an AVX-512 Xeon).
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
     def scan_residuals(stack):
         capsys.readouterr()
