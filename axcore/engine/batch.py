@@ -74,16 +74,22 @@ def pack_rows(rows: Seq[Row]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
     """
     b = len(rows)
     t = max(len(row.tokens) for row in rows)
-    w = max(len(row.block_table) for row in rows)
     tokens, positions = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
-    num_new, tables = np.zeros(b, np.int32), np.zeros((b, w), np.int32)
+    num_new = np.zeros(b, np.int32)
     for i, row in enumerate(rows):
         count = len(row.tokens)
         tokens[i, :count] = row.tokens
         positions[i, :count] = np.arange(row.start, row.start + count)
         num_new[i] = count
+    return tokens, positions, num_new, _block_tables(rows)
+
+
+def _block_tables(rows: Seq[Row]) -> np.ndarray:
+    """`[b, w]` int32: each row's block table, padded with the null block 0 to the longest (w)."""
+    tables = np.zeros((len(rows), max(len(row.block_table) for row in rows)), np.int32)
+    for i, row in enumerate(rows):
         tables[i, : len(row.block_table)] = row.block_table
-    return tokens, positions, num_new, tables
+    return tables
 
 
 def pack_ragged(rows: Seq[Row]) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray,
@@ -100,10 +106,7 @@ def pack_ragged(rows: Seq[Row]) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarra
     tokens = np.concatenate([np.asarray(row.tokens, np.int32) for row in rows])[:, None]
     positions = np.concatenate([np.arange(row.start, row.start + len(row.tokens), dtype=np.int32)
                                 for row in rows])[:, None]
-    tables = np.zeros((len(rows), max(len(row.block_table) for row in rows)), np.int32)
-    for i, row in enumerate(rows):
-        tables[i, : len(row.block_table)] = row.block_table
-    arrays = (tokens, positions, np.ones(len(owner), np.int32), tables[owner])
+    arrays = (tokens, positions, np.ones(len(owner), np.int32), _block_tables(rows)[owner])
     return arrays, (np.cumsum(counts) - 1).astype(np.int32), owner
 
 

@@ -78,7 +78,7 @@ class Resolved:
     batch_buckets: tuple[int, ...]
     token_buckets: tuple[int, ...]
     # Rows of a ragged step (one token each), ascending.
-    ragged_buckets: tuple[int, ...] = ()
+    ragged_buckets: tuple[int, ...]
 
 
 def _powers_up_to(limit: int, start: int = 1, factor: int = 4) -> tuple[int, ...]:
