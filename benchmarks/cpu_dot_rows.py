@@ -1,16 +1,19 @@
-"""XLA:CPU's dot against axcore-cpu's sgemm on a 135M decoder's weight matrices, by row count.
+"""XLA:CPU's dot against axcore-cpu's products (sgemm, rows) on a 135M decoder's weight matrices, by row count.
 
     python -m benchmarks.cpu_dot_rows [--rows 1 2 4 8 16 32 64 256] [--rounds 7] [--json OUT]
     python -m benchmarks.cpu_dot_rows --smoke     # small matrices; numbers mean nothing
 
-Whether axcore-cpu's `openblas` dot kernel should serve on this CPU: two jitted programs
+Which of axcore-cpu's dot kernels should serve on this CPU, up to how many rows: three jitted programs
 run the weight products of SmolLM-135M's shape (30 layers of q, k, v, o, gate, up and
 down projections, then the tied head `[vocab, dim]` transposed; random float32 weights;
 a residual, SwiGLU and a cheap norm between them so nothing is folded away) on `rows`
 rows, one with XLA's dot (`xla`), one with the `axcore_cpu_sgemm` FFI call (`sgemm`,
-OpenBLAS with one BLAS thread, the columns split over XLA's intra-op threads). They
-alternate call by call; medians and p10-p90 of wall milliseconds, the ratio sgemm / xla
-and the largest difference of their outputs are printed as JSON.
+OpenBLAS with one BLAS thread, the columns split over XLA's intra-op threads; the `openblas`
+kernel), one with the `axcore_cpu_rows_dot` FFI call (`rows`, the `cpu_rows` kernel's
+product, every row count here, though the kernel hands more than 32 rows, 16 for the head,
+to XLA). They alternate call by call; medians and p10-p90 of wall milliseconds, the ratios
+sgemm / xla and rows / xla and the largest difference of each output from XLA's are printed
+as JSON.
 """
 
 from __future__ import annotations
@@ -64,12 +67,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", default=None, help="also write the report here")
     args = parser.parse_args(argv)
     from axcore_cpu.openblas_dot import sgemm
+    from axcore_cpu.rows_dot import rows_dot
 
     shape = SMOKE_SHAPE if args.smoke else SHAPE
     rows, rounds = ([1, 4], 2) if args.smoke else (args.rows, args.rounds)
     layers, head = weights(shape)
     programs = {"xla": decoder(lambda a, b: a @ b, lambda a, b: a @ b.T),
-                "sgemm": decoder(lambda a, b: sgemm(a, b, trans_w=False), lambda a, b: sgemm(a, b, trans_w=True))}
+                "sgemm": decoder(lambda a, b: sgemm(a, b, trans_w=False), lambda a, b: sgemm(a, b, trans_w=True)),
+                "rows": decoder(lambda a, b: rows_dot(a, b, trans_w=False), lambda a, b: rows_dot(a, b, trans_w=True))}
     report: dict[str, Any] = {"benchmark": "cpu_dot_rows", "smoke": args.smoke, "shape": shape,
                               "jax": jax.__version__, "rows": {}}
     rng = np.random.default_rng(1)
@@ -79,11 +84,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         times = alternate({name: (lambda p=program, x=x: timed(lambda: jax.block_until_ready(p(x, layers, head))))
                            for name, program in programs.items()}, rounds)
         entry: dict[str, Any] = {name: milliseconds(t) for name, t in times.items()}
-        entry["ratio_sgemm_over_xla"] = entry["sgemm"]["median_ms"] / entry["xla"]["median_ms"]
-        entry["max_abs_diff"] = float(np.abs(outs["xla"] - outs["sgemm"]).max())
+        for name in ("sgemm", "rows"):
+            entry[f"ratio_{name}_over_xla"] = entry[name]["median_ms"] / entry["xla"]["median_ms"]
+            entry[f"max_abs_diff_{name}"] = float(np.abs(outs["xla"] - outs[name]).max())
         report["rows"][str(m)] = entry
         print(f"rows {m}: xla {entry['xla']['median_ms']:.1f} ms, sgemm {entry['sgemm']['median_ms']:.1f} ms "
-              f"(x{entry['ratio_sgemm_over_xla']:.2f}), outputs differ by {entry['max_abs_diff']:.1e}", file=sys.stderr)
+              f"(x{entry['ratio_sgemm_over_xla']:.2f}), rows {entry['rows']['median_ms']:.1f} ms "
+              f"(x{entry['ratio_rows_over_xla']:.2f}), outputs differ by {entry['max_abs_diff_sgemm']:.1e} / "
+              f"{entry['max_abs_diff_rows']:.1e}", file=sys.stderr)
     emit_report(report, args.json)
     return report
 

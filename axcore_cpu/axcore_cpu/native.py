@@ -1,7 +1,7 @@
 """axcore-cpu's native library, loaded on first use: its XLA FFI handlers registered with JAX, the BLAS wired in.
 
 `load()` is idempotent and thread-safe. It opens the library this package compiled at
-install time (`csrc/kernels.cc`, next to this file as `_kernels*.so`), opens OpenBLAS
+install time (`csrc/*.cc`, next to this file as `_kernels*.so`), opens OpenBLAS
 from the scipy-openblas32 wheel, hands the handlers OpenBLAS's `cblas_sgemm`, and
 registers the FFI targets for the CPU platform. Nothing happens at import.
 """
@@ -21,6 +21,8 @@ from axcore.kernels import Problem, Support
 
 # The XLA FFI target of the sgemm handler (`y = x . w`, float32).
 SGEMM_TARGET = "axcore_cpu_sgemm"
+# The XLA FFI target of the few-rows product handler (`y = x . w`, float32, no BLAS).
+ROWS_DOT_TARGET = "axcore_cpu_rows_dot"
 # The XLA FFI target of the paged decode attention handler.
 PAGED_DECODE_TARGET = "axcore_cpu_paged_decode"
 
@@ -65,6 +67,7 @@ def load() -> ctypes.CDLL:
         blas.scipy_openblas_set_num_threads(1)
         kernels.axcore_cpu_set_sgemm(ctypes.cast(blas.scipy_cblas_sgemm, ctypes.c_void_p))
         jax.ffi.register_ffi_target(SGEMM_TARGET, jax.ffi.pycapsule(kernels.AxcoreCpuSgemm), platform="cpu")
+        jax.ffi.register_ffi_target(ROWS_DOT_TARGET, jax.ffi.pycapsule(kernels.AxcoreCpuRowsDot), platform="cpu")
         jax.ffi.register_ffi_target(
             PAGED_DECODE_TARGET, jax.ffi.pycapsule(kernels.AxcoreCpuPagedDecode), platform="cpu"
         )

@@ -30,7 +30,7 @@ from axcore.kernels import DotProblem, Support, reference_dot, tracing_forward_o
 from axcore_cpu import native
 
 
-def _layout(problem: DotProblem) -> str | None:
+def layout(problem: DotProblem) -> str | None:
     """"leading" (w `[contracted..., out...]`), "trailing" (w `[out..., contracted...]`), or None."""
     k, ndim = len(problem.contract), len(problem.w_shape)
     if problem.contract == tuple(range(k)):
@@ -48,6 +48,21 @@ def sgemm(x: jax.Array, w: jax.Array, *, trans_w: bool) -> jax.Array:
     call = jax.ffi.ffi_call(native.SGEMM_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="sequential")
     return call(x, w, trans_w=np.int64(trans_w))
+
+
+def serving_dot_unsupported(problem: DotProblem) -> Support | None:
+    """Why a 2-D float32 FFI product cannot serve `problem` (not one CPU device, a program that may be
+    differentiated, another dtype, contracted dims neither leading nor trailing), or None if it can."""
+    if (unsupported := native.ffi_call_unsupported(problem)) is not None:
+        return unsupported
+    if not tracing_forward_only():
+        return Support(False, "no backward pass: only for forward-only programs (the inference engine's)")
+    dtypes = {np.dtype(problem.w_dtype), np.dtype(problem.compute_dtype), np.dtype(problem.output_dtype)}
+    if dtypes != {np.dtype(np.float32)}:
+        return Support(False, f"float32 only, not weights/compute/output {sorted(d.name for d in dtypes)}")
+    if layout(problem) is None:
+        return Support(False, f"contracts weight dims {problem.contract}, neither its leading nor trailing ones")
+    return None
 
 
 @functools.cache
@@ -70,15 +85,8 @@ class OpenBlasDot:
     priority = 10
 
     def is_supported(self, problem: DotProblem) -> Support:
-        if (unsupported := native.ffi_call_unsupported(problem)) is not None:
+        if (unsupported := serving_dot_unsupported(problem)) is not None:
             return unsupported
-        if not tracing_forward_only():
-            return Support(False, "no backward pass: only for forward-only programs (the inference engine's)")
-        dtypes = {np.dtype(problem.w_dtype), np.dtype(problem.compute_dtype), np.dtype(problem.output_dtype)}
-        if dtypes != {np.dtype(np.float32)}:
-            return Support(False, f"float32 only, not weights/compute/output {sorted(d.name for d in dtypes)}")
-        if _layout(problem) is None:
-            return Support(False, f"contracts weight dims {problem.contract}, neither its leading nor trailing ones")
         if xla_dot_is_faster():
             return Support(False, "this CPU has AVX-512, where XLA's own dot was measured faster than sgemm")
         return unknown_extras(problem)
@@ -89,7 +97,7 @@ class OpenBlasDot:
         rows = math.prod(lead)
         if rows <= 1:  # XLA's matrix-vector product beats sgemm at one row.
             return reference_dot(problem, x, w)
-        trans_w = _layout(problem) == "trailing"
+        trans_w = layout(problem) == "trailing"
         w2 = w.reshape(-1, problem.in_dim) if trans_w else w.reshape(problem.in_dim, -1)
         y = sgemm(x.astype(jnp.float32).reshape(rows, problem.in_dim), w2, trans_w=trans_w)
         return y.reshape(*lead, *problem.out_dims)

@@ -69,6 +69,21 @@ def test_matches_numpy_dense_attention_for_mha_gqa_mqa(heads, kv_heads):
     np.testing.assert_allclose(got, numpy_decode(q, key, value, tables, positions, scale=scale), atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("dim", "heads", "kv_heads"), [(64, 9, 3), (64, 4, 4), (128, 8, 1), (64, 9, 1), (32, 6, 2)])
+@pytest.mark.parametrize("window_softcap", [(0, 0.0), (7, 2.5)])
+def test_the_vector_paths_match_numpy(dim, heads, kv_heads, window_softcap):
+    """Head dims 64 and 128 with 1-8 query heads per kv head take the vectorized path (queries and outputs held in
+    registers, the next block prefetched); 9 per kv head and other dims the general one: all equal NumPy's."""
+    window, softcap = window_softcap
+    q, key, value, tables, positions = case(np.random.default_rng(dim + heads + kv_heads), heads=heads,
+                                            kv_heads=kv_heads, dim=dim, block_size=8, width=5)
+    got = run_kernel(q, key, value, tables, positions, scale=dim ** -0.5, sliding_window=window or None,
+                     softcap=softcap or None)
+    want = numpy_decode(q, key, value, tables, positions, scale=dim ** -0.5, softcap=softcap or None,
+                        window=window or None)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
 def test_matches_numpy_with_a_sliding_window_and_a_softcap():
     q, key, value, tables, positions = case(np.random.default_rng(7))
     got = run_kernel(q, key, value, tables, positions, scale=1.0, sliding_window=5, softcap=2.5)

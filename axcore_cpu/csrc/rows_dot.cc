@@ -1,0 +1,169 @@
+// `axcore_cpu_rows_dot`: y [m, n] = x [m, k] . w for a few rows of x (a decode step's), float32,
+// without the BLAS: sgemm (and XLA's dot) first copy the weight into panels, which at a few rows
+// costs as much as the product. RowsDot reads w in its own layout, each weight once per call, into
+// accumulators held in vector registers (see RowsDotImpl).
+#include "common.h"
+
+namespace axcore_cpu {
+namespace {
+
+// w [k, n]: rows of x per register tile, vectors of columns per tile, rows of w per block.
+constexpr int kTileRows = 6, kTileVecs = 4, kBlockRows = 32;
+constexpr int64_t kPanel = kTileVecs * kLanes;  // Columns of one tile.
+
+// y[0:kM, 0:kPanel] (+)= x[0:kM, k0:k0+kb] . w[k0:k0+kb, 0:kPanel]; x rows of stride ldx, w rows of
+// stride ldw, y rows of stride ldy; the sum starts at 0 when k0 == 0, else continues y.
+template <int kM, bool kPrefetch>
+inline void LeadingTile(const float* x, int64_t ldx, int64_t k0, int64_t kb, const float* w, int64_t ldw, float* y,
+                        int64_t ldy) {
+  Vec acc[kM][kTileVecs];
+  for (int r = 0; r < kM; ++r) {
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = k0 == 0 ? Vec{} : LoadVec(y + r * ldy + v * kLanes);
+  }
+  for (int64_t p = k0; p < k0 + kb; ++p) {
+    if (kPrefetch) {  // The next panel's part of this row of w, from memory while this one computes.
+      for (int64_t byte = 0; byte < kPanel * 4; byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(w + p * ldw + kPanel) + byte);
+      }
+    }
+    Vec b[kTileVecs];
+    for (int v = 0; v < kTileVecs; ++v) b[v] = LoadVec(w + p * ldw + v * kLanes);
+    for (int r = 0; r < kM; ++r) {
+      const float a = x[r * ldx + p];
+      for (int v = 0; v < kTileVecs; ++v) acc[r][v] += a * b[v];
+    }
+  }
+  for (int r = 0; r < kM; ++r) {
+    for (int v = 0; v < kTileVecs; ++v) StoreVec(y + r * ldy + v * kLanes, acc[r][v]);
+  }
+}
+
+using LeadingFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+// kLeadingTiles[m - 1] computes a tile of m rows (1..kTileRows).
+constexpr LeadingFn kLeadingTiles[kTileRows] = {&LeadingTile<1, false>, &LeadingTile<2, false>, &LeadingTile<3, false>,
+                                                &LeadingTile<4, false>, &LeadingTile<5, false>, &LeadingTile<6, false>};
+// The same, each also prefetching the next panel (the first tile of rows of a panel).
+constexpr LeadingFn kPrefetchingTiles[kTileRows] = {&LeadingTile<1, true>, &LeadingTile<2, true>, &LeadingTile<3, true>,
+                                                    &LeadingTile<4, true>, &LeadingTile<5, true>, &LeadingTile<6, true>};
+
+// Columns [first, last) of y [m, n] = x [m, k] . w [k, n]; first is a multiple of kPanel and last is
+// one or n. w is read kBlockRows rows at a time, each row's part in order (streams the hardware
+// prefetcher follows), then every tile of rows over them; the last n % kPanel columns one by one.
+void LeadingColumns(const float* x, int64_t m, int64_t k, const float* w, int64_t n, float* y, int64_t first,
+                    int64_t last) {
+  const int64_t panels_end = first + (last - first) / kPanel * kPanel;
+  for (int64_t k0 = 0; k0 < k; k0 += kBlockRows) {
+    const int64_t kb = std::min<int64_t>(kBlockRows, k - k0);
+    for (int64_t j = first; j < panels_end; j += kPanel) {
+      for (int64_t r = 0; r < m; r += kTileRows) {
+        const LeadingFn* tiles = r == 0 && j + 2 * kPanel <= panels_end ? kPrefetchingTiles : kLeadingTiles;
+        tiles[std::min<int64_t>(kTileRows, m - r) - 1](x + r * k, k, k0, kb, w + j, n, y + r * n + j, n);
+      }
+    }
+  }
+  for (int64_t j = panels_end; j < last; ++j) {
+    for (int64_t r = 0; r < m; ++r) {
+      float sum = 0.0f;
+      for (int64_t p = 0; p < k; ++p) sum += x[r * k + p] * w[p * n + j];
+      y[r * n + j] = sum;
+    }
+  }
+}
+
+// w_t [n, k] (a tied head's rows): output columns per tile.
+constexpr int kTileColumns = 4;
+
+// y[r, c] = x[r] . w_t[c] for a tile of kM rows and kTileColumns columns; y rows of stride ldy.
+template <int kM>
+inline void TrailingTile(const float* x, int64_t k, const float* w_t, float* y, int64_t ldy) {
+  Vec acc[kM][kTileColumns];
+  for (int r = 0; r < kM; ++r) {
+    for (int c = 0; c < kTileColumns; ++c) acc[r][c] = Vec{};
+  }
+  const int64_t whole = k / kLanes * kLanes;
+  for (int64_t p = 0; p < whole; p += kLanes) {
+    Vec b[kTileColumns];
+    for (int c = 0; c < kTileColumns; ++c) b[c] = LoadVec(w_t + c * k + p);
+    for (int r = 0; r < kM; ++r) {
+      const Vec a = LoadVec(x + r * k + p);
+      for (int c = 0; c < kTileColumns; ++c) acc[r][c] += a * b[c];
+    }
+  }
+  for (int r = 0; r < kM; ++r) {
+    for (int c = 0; c < kTileColumns; ++c) {
+      float sum = 0.0f;
+      for (int l = 0; l < kLanes; ++l) sum += acc[r][c][l];
+      for (int64_t p = whole; p < k; ++p) sum += x[r * k + p] * w_t[c * k + p];
+      y[r * ldy + c] = sum;
+    }
+  }
+}
+
+using TrailingFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
+constexpr TrailingFn kTrailingTiles[kTileRows] = {&TrailingTile<1>, &TrailingTile<2>, &TrailingTile<3>,
+                                                  &TrailingTile<4>, &TrailingTile<5>, &TrailingTile<6>};
+
+// Columns [first, last) of y [m, n] = x [m, k] . w_t^T for w_t [n, k]; first is a multiple of
+// kTileColumns; the last columns of a part that fill no tile one by one.
+void TrailingColumns(const float* x, int64_t m, int64_t k, const float* w_t, int64_t n, float* y, int64_t first,
+                     int64_t last) {
+  const int64_t tiles_end = first + (last - first) / kTileColumns * kTileColumns;
+  for (int64_t j = first; j < tiles_end; j += kTileColumns) {
+    for (int64_t r = 0; r < m; r += kTileRows) {
+      kTrailingTiles[std::min<int64_t>(kTileRows, m - r) - 1](x + r * k, k, w_t + j * k, y + r * n + j, n);
+    }
+  }
+  for (int64_t j = tiles_end; j < last; ++j) {
+    for (int64_t r = 0; r < m; ++r) y[r * n + j] = Dot<0>(x + r * k, w_t + j * k, k);
+  }
+}
+
+// `axcore_cpu_rows_dot`: y [m, n] = x [m, k] . w for w [k, n] (trans_w = 0) or w [n, k] (trans_w = 1),
+// float32, row-major, no copy of w. Columns are split into parts (whole tiles, at least kMinColumns)
+// run on XLA's intra-op threads; within a part, tiles of up to kTileRows rows of x accumulate in
+// registers (kTileRows x kTileVecs vectors of kLanes columns for w [k, n]; kTileRows x
+// kTileColumns dot products for w [n, k]), so w is read from memory once per call.
+ffi::Error RowsDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::ResultBuffer<ffi::F32> y, int64_t trans_w) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "axcore_cpu_rows_dot: operands must be 2-D");
+  }
+  const int64_t m = xd[0], k = xd[1];
+  const int64_t n = trans_w ? wd[0] : wd[1];
+  if ((trans_w ? wd[1] : wd[0]) != k || yd[0] != m || yd[1] != n) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "axcore_cpu_rows_dot: shapes do not match");
+  }
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  const int64_t unit = trans_w ? kTileColumns : kPanel;
+  const int64_t units = (n + unit - 1) / unit;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), n / std::max(unit, kMinColumns)));
+  auto run_part = [=](int64_t part) {
+    const int64_t first = units * part / parts * unit, last = std::min(n, units * (part + 1) / parts * unit);
+    if (first >= last) return;
+    if (trans_w) {
+      TrailingColumns(xp, m, k, wp, n, yp, first, last);
+    } else {
+      LeadingColumns(xp, m, k, wp, n, yp, first, last);
+    }
+  };
+  ParallelFor(pool, parts, run_part);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace axcore_cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AxcoreCpuRowsDot, axcore_cpu::RowsDotImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<int64_t>("trans_w"));
+
