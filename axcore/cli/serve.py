@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
+import time
 
 from axcore.cli.common import one_run
 
@@ -51,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens-per-step", type=int, metavar="N",
                         help="tokens an engine step feeds, decodes and prefill chunks together; at least "
                         "--max-seqs (default 256)")
+    parser.add_argument("--precompile", action="store_true",
+                        help="compile the engine's step programs (one per ragged row bucket) before taking "
+                        "requests: a slower start, no compile stalling the first requests of each size")
     parser.add_argument("--chat-template", metavar="FILE", help="jinja2 chat template (default: the run's)")
     parser.add_argument("--step", type=int, metavar="S", help="checkpoint step (default: the latest committed)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
@@ -151,6 +156,11 @@ def run(args: argparse.Namespace) -> int:
         args.api_key = os.environ.get(API_KEY_ENV) or None
     check_arguments(args)
     engine = build_engine(args.run, args)
+    if args.precompile:
+        started = time.perf_counter()
+        keys = engine.precompile()
+        print(f"axcore serve: compiled {len(keys)} step programs in {time.perf_counter() - started:.1f} s",
+              file=sys.stderr, flush=True)
     frontend = load_frontend(args.run, args)
     from axcore.serving.app import ServerSettings, create_app
     from axcore.serving.server import make_server

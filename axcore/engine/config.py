@@ -6,7 +6,9 @@ a step's rows are padded to the smallest batch bucket holding them and its longe
 to the smallest token bucket, so the compiled programs are at most
 `len(batch_buckets) * len(token_buckets) * (table widths) * 2`, plus with ragged steps
 `len(ragged_buckets) * (table widths)` (the runner counts them and
-refuses one past `max_programs`).
+refuses one past `max_programs`). Table widths are powers of two blocks, then the longest
+table; for ragged steps whose attention reads blocks in place, 64 blocks, then 8x wider
+each time (`ModelRunner.widen_ragged_tables`).
 """
 
 from __future__ import annotations

@@ -80,8 +80,10 @@ class Engine:
                                   ragged_buckets=s.ragged_buckets, max_programs=config.max_programs,
                                   kernels=config.kernels)
         # Whether steps run ragged (one token per row); `EngineConfig.ragged_steps`.
-        self.ragged_steps = (self.runner.decode_reads_blocks_in_place(params) if config.ragged_steps is None
-                             else bool(config.ragged_steps))
+        in_place = config.ragged_steps is not False and self.runner.decode_reads_blocks_in_place(params)
+        self.ragged_steps = in_place if config.ragged_steps is None else bool(config.ragged_steps)
+        if self.ragged_steps and in_place:
+            self.runner.widen_ragged_tables()  # A wide table costs nothing there; fewer programs to compile.
         self.scheduler = Scheduler(BlockAllocator(s.num_blocks, config.block_size), max_seqs=config.max_seqs,
                                    max_tokens_per_step=config.max_tokens_per_step, max_model_len=s.max_model_len,
                                    eos_token_ids=tuple(eos_token_ids))
@@ -184,6 +186,16 @@ class Engine:
         with self._lock:
             self.params = params
             self.scheduler.reset_cache()
+
+    def precompile(self) -> list[tuple[int, int, int, bool, int | None]]:
+        """Compiles, without running, the step program of every ragged row bucket (`ModelRunner.precompile_ragged`,
+        tables of the narrowest ragged width), as a server does before it takes requests; returns the program
+        keys compiled now. An engine without ragged steps compiles nothing here (its programs are one per
+        batch, token and table-width bucket: too many to compile ahead)."""
+        if not self.ragged_steps:
+            return []
+        with self._step_lock:
+            return self.runner.precompile_ragged(self.params)
 
     def close(self) -> None:
         """Stops the background thread (live requests stay; `step` still runs them)."""

@@ -113,6 +113,8 @@ class ModelRunner:
         widths = {1 << i for i in range(self.max_blocks_per_seq.bit_length()) if 1 << i < self.max_blocks_per_seq}
         # Block-table widths W a step is padded to: powers of two, then the longest table.
         self.table_buckets = tuple(sorted(widths | {self.max_blocks_per_seq}))
+        # The same for ragged steps; `widen_ragged_tables` makes them few where a wide table costs nothing.
+        self.ragged_table_buckets = self.table_buckets
         # The paged KV cache (`CausalLM.init_paged_cache`), replaced by each step's updated one.
         self.cache = model.init_paged_cache(self.num_blocks, self.block_size)
         self._jitted = jax.jit(self._step, donate_argnums=(1,), static_argnames=("all_logits",))
@@ -141,13 +143,23 @@ class ModelRunner:
 
     def padded_shape(self, rows: int, tokens: int, width: int, ragged: bool = False) -> tuple[int, int, int]:
         """`(B, T, W)`: the smallest batch (`ragged`: ragged-step), token and table-width buckets holding a
-        step's sizes."""
+        step's sizes (a ragged step's rows hold one token each: T = 1, whatever the token buckets)."""
         field, buckets = ("ragged_buckets", self.ragged_buckets) if ragged else ("batch_buckets", self.batch_buckets)
         return (
             self._bucket(field, buckets, rows, "rows"),
-            self._bucket("token_buckets", self.token_buckets, tokens, "tokens per row"),
-            self._bucket("block_tables", self.table_buckets, width, "blocks per sequence"),
+            self._bucket("token_buckets", (1,) if ragged else self.token_buckets, tokens, "tokens per row"),
+            self._bucket("block_tables", self.ragged_table_buckets if ragged else self.table_buckets, width,
+                         "blocks per sequence"),
         )
+
+    def widen_ragged_tables(self) -> tuple[int, ...]:
+        """Pads ragged steps' block tables to few widths: 64 blocks, then 8x wider each time, then the longest
+        table; returns them. For kernels that read blocks in place (`decode_reads_blocks_in_place`), where a
+        wider table costs only its int32 entries: a program then serves every width up to its own, so a
+        server compiles about one program per row bucket (each compile stalls every stream for seconds)."""
+        widths = {64 * 8 ** i for i in range(8) if 64 * 8 ** i < self.max_blocks_per_seq}
+        self.ragged_table_buckets = tuple(sorted(widths | {self.max_blocks_per_seq}))
+        return self.ragged_table_buckets
 
     @staticmethod
     def _bucket(field: str, buckets: tuple[int, ...], size: int, what: str) -> int:
@@ -205,21 +217,40 @@ class ModelRunner:
                 raise ModelRunnerError("logit_rows", f"names {len(picks)} rows, more than the largest batch bucket "
                                        f"{self.batch_buckets[-1]}; give at most that many.")
             padded.append(np.pad(picks, (0, selected - len(picks))))
-        key = (*shape, bool(all_logits), selected)
+        program = self._program(params, (*shape, bool(all_logits), selected), padded)
+        out, self.cache = program(params, self.cache, *padded)
+        return out
+
+    def _program(self, params: Any, key: tuple[int, int, int, bool, int | None], padded: list[np.ndarray]) -> Any:
+        """The compiled program of `key` (`programs`), compiled for these padded arrays if it is new."""
         program = self._programs.get(key)
         if program is None:
             if len(self._programs) >= self.max_programs:
                 raise ModelRunnerError(
                     "max_programs",
-                    f"a step of shape (rows, tokens, table width) {shape} needs compiled program "
+                    f"a step of shape (rows, tokens, table width) {key[:3]} needs compiled program "
                     f"{len(self._programs) + 1}, past max_programs {self.max_programs} (compiled: "
                     f"{self.programs}); raise max_programs or use fewer buckets.",
                 )
             with preferred_kernels(self.kernels), forward_only_programs():  # Never differentiated.
-                program = self._jitted.lower(params, self.cache, *padded, all_logits=bool(all_logits)).compile()
+                program = self._jitted.lower(params, self.cache, *padded, all_logits=key[3]).compile()
             self._programs[key] = program
-        out, self.cache = program(params, self.cache, *padded)
-        return out
+        return program
+
+    def precompile_ragged(self, params: Any, width: int = 1) -> list[tuple[int, int, int, bool, int | None]]:
+        """Compiles, without running, the ragged step program of every ragged row bucket for tables of `width`
+        blocks (padded to its bucket), as a server does before it takes requests; returns the keys compiled
+        now. Each compile takes seconds, and a step that needs one stalls every stream until it is done."""
+        compiled = []
+        for rows in self.ragged_buckets:
+            key = (*self.padded_shape(rows, 1, width, ragged=True), False, self.logit_rows_bucket(rows))
+            if key in self._programs:
+                continue
+            zeros = [np.zeros((rows, 1), np.int32), np.zeros((rows, 1), np.int32), np.zeros(rows, np.int32),
+                     np.zeros((rows, key[2]), np.int32), np.zeros(rows, np.int32), np.zeros(key[4], np.int32)]
+            self._program(params, key, zeros)
+            compiled.append(key)
+        return compiled
 
     def logit_rows_bucket(self, rows: int) -> int:
         """S, the logit rows of a ragged step padded to `rows` rows: `rows` up to the largest batch bucket, else

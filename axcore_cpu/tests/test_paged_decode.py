@@ -134,3 +134,34 @@ def test_the_engine_runs_ragged_steps_where_this_kernel_serves_its_decodes(kerne
     engine = Engine(model, model.initialize(jax.random.key(0)), None,
                     config=EngineConfig(max_seqs=2, num_blocks=8, kernels=kernels))
     assert engine.ragged_steps is ragged and engine.runner.num_programs == 0  # Decided by tracing, not compiling.
+    runner = engine.runner
+    # In place, a wide table costs nothing: ragged tables pad to few widths (here the longest table, 7 blocks).
+    assert runner.ragged_table_buckets == ((runner.max_blocks_per_seq,) if ragged else runner.table_buckets)
+
+
+def test_with_wide_ragged_tables_short_and_long_sequences_share_one_program():
+    """An engine serving its decodes in place pads every ragged step's table to 64 blocks (then 8x wider): a
+    sequence of 1 block and one of 40 run through the same program, and give the tokens of an engine whose
+    tables are padded as little as possible (the gathering reference, split steps)."""
+    from axcore.engine import Engine, EngineConfig
+    from axcore.engine.requests import GenerationRequest, SamplingParams
+    from axcore.experiment import load_experiment
+    from axcore.testing import TINY_OVERRIDES
+
+    exp = load_experiment(None, [*TINY_OVERRIDES, "model.compute_dtype=float32", "model.position_embedding.max_len=1024"])
+    model = exp.config.model.instantiate(name="model", registries=exp.registries)
+    params = model.initialize(jax.random.key(0))
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    prompts = [[5, 9, 2], list(np.random.default_rng(0).integers(1, 200, 150))]  # 1 and 40 blocks of 4.
+
+    def generate(kernels, prompt):
+        engine = Engine(model, params, None, config=EngineConfig(max_seqs=2, num_blocks=600, block_size=4,
+                                                                 kernels=kernels))
+        out = engine.generate([GenerationRequest(request_id="r", prompt_token_ids=tuple(int(t) for t in prompt),
+                                                 params=greedy)])
+        return out[0].choices[0].token_ids, engine.runner
+
+    for prompt in prompts:
+        tokens, runner = generate(None, prompt)
+        assert runner.ragged_table_buckets[0] == 64 and {key[2] for key in runner.programs} == {64}
+        assert tokens == generate({"paged_attention": "xla"}, prompt)[0]

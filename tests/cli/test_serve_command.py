@@ -93,3 +93,32 @@ def test_a_run_without_chat_data_or_template_refuses_chats_only(tmp_path):
     with pytest.raises(RequestError, match="--chat-template") as caught:
         frontend.render([{"role": "user", "content": "Hi"}])
     assert caught.value.param == "messages" and caught.value.status == 400
+
+
+def test_precompile_compiles_the_engines_programs_before_the_server_starts(tmp_path, capsys, monkeypatch):
+    """`--precompile` calls `Engine.precompile` after the engine loads and before the server runs, and says what it
+    compiled on stderr; without it nothing is compiled ahead."""
+    import axcore.cli.serve as serve
+    import axcore.serving.app as app
+    import axcore.serving.server as server
+
+    events = []
+
+    class Engine:
+        def precompile(self):
+            events.append("precompile")
+            return [(4, 1, 64, False, 4), (8, 1, 64, False, 8)]
+
+    class Server:
+        def run(self):
+            events.append("run")
+
+    monkeypatch.setattr(serve, "build_engine", lambda path, args: Engine())
+    monkeypatch.setattr(serve, "load_frontend", lambda path, args: None)
+    monkeypatch.setattr(app, "create_app", lambda engine, frontend, settings: None)
+    monkeypatch.setattr(server, "make_server", lambda app_, **kwargs: Server())
+    assert main(["serve", str(tmp_path), "--precompile"]) == 0
+    assert events == ["precompile", "run"]
+    assert "compiled 2 step programs in" in capsys.readouterr().err
+    events.clear()
+    assert main(["serve", str(tmp_path)]) == 0 and events == ["run"]

@@ -221,6 +221,25 @@ def test_a_ragged_step_is_one_call_of_its_tokens_with_logits_for_its_sequences(r
     assert engine.stats().kv_blocks_used == 0
 
 
+def test_precompiling_compiles_each_ragged_row_bucket_once_and_steps_then_compile_nothing(tiny, engine):
+    """`Engine.precompile` compiles one program per ragged row bucket (none for an engine without ragged steps);
+    requests afterwards run on those programs and give the tokens of an engine that compiled as it went."""
+    assert engine.precompile() == []  # CONFIG: ragged_steps False.
+    fresh = load_engine(str(tiny[1]), config=dataclasses.replace(CONFIG, ragged_steps=True, ragged_buckets=(4, 8, 16)))
+    try:
+        keys = fresh.precompile()
+        width = fresh.runner.ragged_table_buckets[0]
+        assert keys == [(4, 1, width, False, 4), (8, 1, width, False, 4), (16, 1, width, False, 4)]
+        assert fresh.runner.programs == keys and fresh.precompile() == []  # Already compiled: nothing new.
+        requests = [GenerationRequest(f"pre{k}", prompt(50 + k, 3 + 2 * k), SamplingParams(max_tokens=4, **GREEDY))
+                    for k in range(3)]
+        outputs = fresh.generate(requests)
+        assert fresh.runner.programs == keys  # Every step found its program.
+        assert [o.choices[0].token_ids for o in outputs] == [o.choices[0].token_ids for o in engine.generate(requests)]
+    finally:
+        fresh.close()
+
+
 def test_a_seed_draws_the_same_tokens_alone_and_in_a_batch(engine):
     ids = prompt(5, 6)
 
