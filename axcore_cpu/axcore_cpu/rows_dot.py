@@ -4,12 +4,13 @@ XLA:CPU's dot (and every BLAS sgemm) first copies the weight into panels laid ou
 inner loop; at the rows of a decode step (1-32) that copy costs as much as the product.
 This kernel, an XLA FFI call into axcore-cpu's library, reads each weight once, in its own
 layout and in place (no copy, so it serves the live parameters of a training process as
-well as a server's), into accumulators held in vector registers: `w [in, out]` a block of
-32 of its rows at a time, each row's part in order; a tied head's `[vocab, dim]` rows as
-dot products. On the 2-core AVX-512 Xeon of `benchmarks/README.md` it took 0.70-0.87x XLA's
-time for the 135M model's projections at 1-32 rows, 0.4-0.8x for its head at 1-16
-(`benchmarks/cpu_dot_rows.py`); at more rows XLA's blocked product wins, so there the kernel
-hands the problem to XLA's dot (`reference_dot`).
+well as a server's), into accumulators held in vector registers: `w [in, out]` in blocks of
+32 of its rows, each thread a contiguous range of them (partial sums added at the end); a
+tied head's `[vocab, dim]` rows as dot products, each thread a range of rows. On the 2-core
+AVX-512 Xeon of `benchmarks/README.md` the 135M model's projections and head took 0.73-0.84x
+XLA's time at 2-32 rows, 0.96x at 1, 1.13x at 64 (`benchmarks/cpu_dot_rows.py`); at more
+rows than `MAX_ROWS` XLA's blocked product wins, so there the kernel hands the problem to
+XLA's dot (`reference_dot`).
 
 It declines where `openblas` is the CPU's kernel (no AVX-512: measured there, sgemm wins)
 and, as `openblas` does, training programs (no backward pass), anything but float32,
