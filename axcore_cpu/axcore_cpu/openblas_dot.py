@@ -40,14 +40,29 @@ def layout(problem: DotProblem) -> str | None:
     return None
 
 
-def sgemm(x: jax.Array, w: jax.Array, *, trans_w: bool) -> jax.Array:
-    """float32 `x [m, k] . w` through OpenBLAS: w `[k, n]`, or `[n, k]` with `trans_w` -> `[m, n]`."""
+def ffi_product(target: str, x: jax.Array, w: jax.Array, *, trans_w: bool) -> jax.Array:
+    """float32 `x [m, k] . w` through the library's product handler `target`: w `[k, n]`, or `[n, k]` with
+    `trans_w` -> `[m, n]`."""
     native.load()
     n = w.shape[0] if trans_w else w.shape[1]
     # Under vmap (e.g. a mixture of experts' per-expert weights) one call per batch element.
-    call = jax.ffi.ffi_call(native.SGEMM_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
-                            vmap_method="sequential")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
     return call(x, w, trans_w=np.int64(trans_w))
+
+
+def sgemm(x: jax.Array, w: jax.Array, *, trans_w: bool) -> jax.Array:
+    """float32 `x [m, k] . w` through OpenBLAS: w `[k, n]`, or `[n, k]` with `trans_w` -> `[m, n]`."""
+    return ffi_product(native.SGEMM_TARGET, x, w, trans_w=trans_w)
+
+
+def flat_product(problem: DotProblem, x: jax.Array, w: jax.Array, product) -> jax.Array:
+    """The dot of `problem` as `product(x2 [rows, in], w2, trans_w=...)` on x and w flattened to 2-D (w2 `[in,
+    out]`, or `[out, in]` with `trans_w` for trailing contracted dims), reshaped back to the op's layout."""
+    lead = x.shape[: x.ndim - len(problem.contract)]
+    trans_w = layout(problem) == "trailing"
+    w2 = w.reshape(-1, problem.in_dim) if trans_w else w.reshape(problem.in_dim, -1)
+    y = product(x.astype(jnp.float32).reshape(math.prod(lead), problem.in_dim), w2, trans_w=trans_w)
+    return y.reshape(*lead, *problem.out_dims)
 
 
 def serving_dot_unsupported(problem: DotProblem) -> Support | None:
@@ -92,12 +107,6 @@ class OpenBlasDot:
         return unknown_extras(problem)
 
     def __call__(self, problem: DotProblem, x: jax.Array, w: jax.Array) -> jax.Array:
-        k = len(problem.contract)
-        lead = x.shape[: x.ndim - k]
-        rows = math.prod(lead)
-        if rows <= 1:  # XLA's matrix-vector product beats sgemm at one row.
+        if math.prod(x.shape[: x.ndim - len(problem.contract)]) <= 1:  # XLA's matrix-vector product beats sgemm.
             return reference_dot(problem, x, w)
-        trans_w = layout(problem) == "trailing"
-        w2 = w.reshape(-1, problem.in_dim) if trans_w else w.reshape(problem.in_dim, -1)
-        y = sgemm(x.astype(jnp.float32).reshape(rows, problem.in_dim), w2, trans_w=trans_w)
-        return y.reshape(*lead, *problem.out_dims)
+        return flat_product(problem, x, w, sgemm)

@@ -23,8 +23,6 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from axcore.kernels import DotProblem, Support, reference_dot, unknown_extras
 
@@ -37,12 +35,7 @@ MAX_ROWS = {"leading": 32, "trailing": 16}
 
 def rows_dot(x: jax.Array, w: jax.Array, *, trans_w: bool) -> jax.Array:
     """float32 `x [m, k] . w` in axcore-cpu's few-rows product: w `[k, n]`, or `[n, k]` with `trans_w` -> `[m, n]`."""
-    native.load()
-    n = w.shape[0] if trans_w else w.shape[1]
-    # Under vmap (a mixture of experts' per-expert weights) one call per batch element.
-    call = jax.ffi.ffi_call(native.ROWS_DOT_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
-                            vmap_method="sequential")
-    return call(x, w, trans_w=np.int64(trans_w))
+    return openblas_dot.ffi_product(native.ROWS_DOT_TARGET, x, w, trans_w=trans_w)
 
 
 class CpuRowsDot:
@@ -60,13 +53,7 @@ class CpuRowsDot:
         return unknown_extras(problem)
 
     def __call__(self, problem: DotProblem, x: jax.Array, w: jax.Array) -> jax.Array:
-        k = len(problem.contract)
-        lead = x.shape[: x.ndim - k]
-        rows = math.prod(lead)
-        layout = openblas_dot.layout(problem)
-        if not 0 < rows <= MAX_ROWS[layout]:
+        rows = math.prod(x.shape[: x.ndim - len(problem.contract)])
+        if not 0 < rows <= MAX_ROWS[openblas_dot.layout(problem)]:
             return reference_dot(problem, x, w)
-        trans_w = layout == "trailing"
-        w2 = w.reshape(-1, problem.in_dim) if trans_w else w.reshape(problem.in_dim, -1)
-        y = rows_dot(x.astype(jnp.float32).reshape(rows, problem.in_dim), w2, trans_w=trans_w)
-        return y.reshape(*lead, *problem.out_dims)
+        return openblas_dot.flat_product(problem, x, w, rows_dot)

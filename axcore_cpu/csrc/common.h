@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -83,6 +84,44 @@ inline float Dot(const float* a, const float* b, int64_t n) {
   float sum = 0.0f;
   for (int64_t i = 0; i < len; ++i) sum += a[i] * b[i];
   return sum;
+}
+
+// The sizes (m, k, n) of y [m, n] = x [m, k] . w, w [k, n] (trans_w = 0) or [n, k] (trans_w = 1), all
+// three 2-D; an InvalidArgument error naming `target` if they are not, or do not match.
+inline ffi::Error ProductSizes(const char* target, const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w,
+                               ffi::ResultBuffer<ffi::F32>& y, int64_t trans_w, int64_t& m, int64_t& k,
+                               int64_t& n) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(target) + ": operands must be 2-D");
+  }
+  m = xd[0];
+  k = xd[1];
+  n = trans_w ? wd[0] : wd[1];
+  if ((trans_w ? wd[1] : wd[0]) != k || yd[0] != m || yd[1] != n) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(target) + ": shapes do not match");
+  }
+  return ffi::Error::Success();
+}
+
+// Softmax of each of `rows` rows of `count` logits, in place, in float32; first each logit
+// softcap * tanh(logit / softcap) if softcap > 0.
+inline void SoftmaxRows(float* logits, int64_t rows, int64_t count, float softcap) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* lg = logits + g * count;
+    if (softcap > 0.0f) {
+      for (int64_t s = 0; s < count; ++s) lg[s] = softcap * std::tanh(lg[s] / softcap);
+    }
+    float top = lg[0];
+    for (int64_t s = 1; s < count; ++s) top = std::max(top, lg[s]);
+    float total = 0.0f;
+    for (int64_t s = 0; s < count; ++s) lg[s] = std::exp(lg[s] - top);
+    for (int64_t s = 0; s < count; ++s) total += lg[s];
+    const float inverse = 1.0f / total;
+    for (int64_t s = 0; s < count; ++s) lg[s] *= inverse;
+  }
 }
 
 }  // namespace axcore_cpu

@@ -55,19 +55,7 @@ void AttendOne(const PagedDecode& a, int64_t row, int64_t kv, std::vector<float>
   ForEachSlot(a, a.key, row, kv, first, last, [&](int64_t s, const float* k) {
     for (int64_t g = 0; g < group; ++g) logits[g * count + s] = a.scale * Dot<kDim>(q + g * dim, k, dim);
   });
-  for (int64_t g = 0; g < group; ++g) {
-    float* lg = logits + g * count;
-    if (a.softcap > 0.0f) {
-      for (int64_t s = 0; s < count; ++s) lg[s] = a.softcap * std::tanh(lg[s] / a.softcap);
-    }
-    float top = lg[0];
-    for (int64_t s = 1; s < count; ++s) top = std::max(top, lg[s]);
-    float total = 0.0f;
-    for (int64_t s = 0; s < count; ++s) lg[s] = std::exp(lg[s] - top);
-    for (int64_t s = 0; s < count; ++s) total += lg[s];
-    const float inverse = 1.0f / total;
-    for (int64_t s = 0; s < count; ++s) lg[s] *= inverse;
-  }
+  SoftmaxRows(logits, group, count, a.softcap);
   ForEachSlot(a, a.value, row, kv, first, last, [&](int64_t s, const float* v) {
     for (int64_t g = 0; g < group; ++g) {
       const float weight = logits[g * count + s];
@@ -108,19 +96,7 @@ void AttendGroup(const PagedDecode& a, int64_t row, int64_t kv, std::vector<floa
       logits[g * count + s] = a.scale * SumLanes(sum);
     }
   });
-  for (int g = 0; g < kGroup; ++g) {
-    float* lg = logits + g * count;
-    if (a.softcap > 0.0f) {
-      for (int64_t s = 0; s < count; ++s) lg[s] = a.softcap * std::tanh(lg[s] / a.softcap);
-    }
-    float top = lg[0];
-    for (int64_t s = 1; s < count; ++s) top = std::max(top, lg[s]);
-    float total = 0.0f;
-    for (int64_t s = 0; s < count; ++s) lg[s] = std::exp(lg[s] - top);
-    for (int64_t s = 0; s < count; ++s) total += lg[s];
-    const float inverse = 1.0f / total;
-    for (int64_t s = 0; s < count; ++s) lg[s] *= inverse;
-  }
+  SoftmaxRows(logits, kGroup, count, a.softcap);
   Vec acc[kGroup][kVecs];
   for (int g = 0; g < kGroup; ++g) {
     for (int i = 0; i < kVecs; ++i) acc[g][i] = Vec{};

@@ -132,17 +132,8 @@ constexpr int64_t kMinSplitWeights = 1 << 16;
 // 1.2x faster on 2 threads than on 1: each thread's part of a row broke the prefetcher's streams.)
 ffi::Error RowsDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y, int64_t trans_w) {
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "axcore_cpu_rows_dot: operands must be 2-D");
-  }
-  const int64_t m = xd[0], k = xd[1];
-  const int64_t n = trans_w ? wd[0] : wd[1];
-  if ((trans_w ? wd[1] : wd[0]) != k || yd[0] != m || yd[1] != n) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "axcore_cpu_rows_dot: shapes do not match");
-  }
+  int64_t m = 0, k = 0, n = 0;
+  if (auto error = ProductSizes("axcore_cpu_rows_dot", x, w, y, trans_w, m, k, n); error.failure()) return error;
   if (m == 0 || n == 0) return ffi::Error::Success();
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();

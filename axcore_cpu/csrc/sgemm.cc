@@ -21,18 +21,8 @@ ffi::Error SgemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "axcore_cpu_sgemm: no sgemm was set (axcore_cpu.native.load() sets it)");
   }
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "axcore_cpu_sgemm: operands must be 2-D");
-  }
-  const int64_t m = xd[0], k = xd[1];
-  const int64_t n = trans_w ? wd[0] : wd[1];
-  const int64_t w_k = trans_w ? wd[1] : wd[0];
-  if (w_k != k || yd[0] != m || yd[1] != n) {
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "axcore_cpu_sgemm: shapes do not match");
-  }
+  int64_t m = 0, k = 0, n = 0;
+  if (auto error = ProductSizes("axcore_cpu_sgemm", x, w, y, trans_w, m, k, n); error.failure()) return error;
   if (m == 0 || n == 0) return ffi::Error::Success();
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axcore.kernels import dot_problem, forward_only_programs, record_kernel_choices
+from axcore.kernels import dot_problem, forward_only_programs
 
 from axcore_cpu import OpenBlasDot, openblas_dot
 from axcore_cpu.openblas_dot import sgemm, xla_dot_is_faster
@@ -71,67 +69,10 @@ def test_products_of_few_and_many_rows_agree_with_numpy(rows):
     np.testing.assert_allclose(got_t, want, rtol=1e-5, atol=1e-4)
 
 
-def test_serves_only_forward_only_float32_cpu_programs():
-    x, w = jnp.zeros((4, 8)), jnp.zeros((8, 3))
-    base = dot_problem(x, w, (0,), compute_dtype=np.float32, platform="cpu")
-    kernel = OpenBlasDot()
-    assert not kernel.is_supported(base), "outside forward_only_programs it must decline (no backward pass)"
-    with forward_only_programs():
-        assert kernel.is_supported(base)
-        declines = {
-            "platform": dataclasses.replace(base, platform="gpu"),
-            "bf16 compute": dataclasses.replace(base, compute_dtype=np.dtype(jnp.bfloat16)),
-            "int8 weights": dataclasses.replace(base, w_dtype=np.dtype(np.int8)),
-            "middle contract": dataclasses.replace(base, w_shape=(3, 8, 5), contract=(1,)),
-            "extras": dataclasses.replace(base, extras={"lora": 1}),
-        }
-        for what, problem in declines.items():
-            assert not kernel.is_supported(problem), what
-
-
-def test_declines_everything_on_a_cpu_with_avx512(monkeypatch):
-    x, w = jnp.zeros((4, 8)), jnp.zeros((8, 3))
-    problem = dot_problem(x, w, (0,), compute_dtype=np.float32, platform="cpu")
-    monkeypatch.setattr(openblas_dot, "xla_dot_is_faster", lambda: True)
-    with forward_only_programs():
-        support = OpenBlasDot().is_supported(problem)
-    assert not support and "AVX-512" in support.reason
-
-
 def test_reads_avx512_from_the_cpu_s_flags():
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         flags = next((line for line in f if line.startswith("flags")), "").split()  # No such line off x86.
     assert xla_dot_is_faster() == ("avx512f" in flags)  # The real function (the fixture patches the module's name).
-
-
-def test_the_engine_s_programs_use_both_kernels_and_agree_with_the_reference_kernels():
-    """A tiny model's engine with axcore-cpu's kernels (the default here) gives the greedy tokens and, within
-    float32 rounding, the log-probabilities of an engine forced onto the XLA reference kernels."""
-    from axcore.engine import Engine, EngineConfig
-    from axcore.engine.requests import GenerationRequest, SamplingParams
-    from axcore.experiment import load_experiment
-    from axcore.testing import TINY_OVERRIDES
-
-    exp = load_experiment(None, [*TINY_OVERRIDES, "model.compute_dtype=float32"])
-    model = exp.config.model.instantiate(name="model", registries=exp.registries)
-    params = model.initialize(jax.random.key(0))
-    prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 4, 6], [11, 2, 9, 9, 1, 5, 3, 2, 6, 7, 1]]
-    params_greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0)
-
-    def generate(kernels):
-        engine = Engine(model, params, None, config=EngineConfig(max_seqs=4, num_blocks=64, kernels=kernels))
-        with record_kernel_choices() as choices:
-            outs = engine.generate([GenerationRequest(request_id=str(i), prompt_token_ids=tuple(p), params=params_greedy)
-                                    for i, p in enumerate(prompts)])
-        return outs, {op: sorted(choices.get(op, {})) for op in ("dot", "paged_attention")}
-
-    fast, fast_kernels = generate(None)
-    slow, slow_kernels = generate({"dot": "xla", "paged_attention": "xla"})
-    assert "openblas" in fast_kernels["dot"] and "cpu_paged_decode" in fast_kernels["paged_attention"]
-    assert slow_kernels == {"dot": ["xla"], "paged_attention": ["xla"]}
-    for a, b in zip(fast, slow):
-        assert a.choices[0].token_ids == b.choices[0].token_ids and len(a.choices[0].token_ids) == 12
-        np.testing.assert_allclose(a.choices[0].logprobs, b.choices[0].logprobs, atol=1e-5)
 
 
 def test_vmapped_over_stacked_weights_as_a_mixture_of_experts_does():

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axcore.kernels import dot_problem, forward_only_programs, record_kernel_choices
+from axcore.kernels import dot_problem, forward_only_programs
 
 from axcore_cpu import CpuRowsDot, openblas_dot, rows_dot
 from axcore_cpu.rows_dot import MAX_ROWS
@@ -73,56 +71,6 @@ def test_the_kernel_matches_numpy_and_hands_many_rows_to_xla(x_shape, w_shape, c
     got, called = run(x, w, contract)
     np.testing.assert_allclose(got, numpy_dot(x.astype(np.float64), w.astype(np.float64)), rtol=1e-5, atol=1e-5)
     assert called == ffi
-
-
-def test_serves_only_forward_only_float32_cpu_programs_on_avx512(monkeypatch):
-    x, w = jnp.zeros((4, 8)), jnp.zeros((8, 3))
-    base = dot_problem(x, w, (0,), compute_dtype=np.float32, platform="cpu")
-    kernel = CpuRowsDot()
-    assert not kernel.is_supported(base), "outside forward_only_programs it must decline (no backward pass)"
-    with forward_only_programs():
-        assert kernel.is_supported(base)
-        declines = {
-            "platform": dataclasses.replace(base, platform="gpu"),
-            "bf16 compute": dataclasses.replace(base, compute_dtype=np.dtype(jnp.bfloat16)),
-            "int8 weights": dataclasses.replace(base, w_dtype=np.dtype(np.int8)),
-            "middle contract": dataclasses.replace(base, w_shape=(3, 8, 5), contract=(1,)),
-            "extras": dataclasses.replace(base, extras={"lora": 1}),
-        }
-        for what, problem in declines.items():
-            assert not kernel.is_supported(problem), what
-        monkeypatch.setattr(openblas_dot, "xla_dot_is_faster", lambda: False)
-        support = kernel.is_supported(base)
-    assert not support and "AVX-512" in support.reason
-
-
-def test_the_engine_s_programs_use_it_and_agree_with_the_reference_kernels():
-    """A tiny model's engine with axcore-cpu's kernels (on an AVX-512 CPU: `cpu_rows`) gives the greedy tokens
-    and, within float32 rounding, the log-probabilities of an engine forced onto the XLA reference kernels."""
-    from axcore.engine import Engine, EngineConfig
-    from axcore.engine.requests import GenerationRequest, SamplingParams
-    from axcore.experiment import load_experiment
-    from axcore.testing import TINY_OVERRIDES
-
-    exp = load_experiment(None, [*TINY_OVERRIDES, "model.compute_dtype=float32"])
-    model = exp.config.model.instantiate(name="model", registries=exp.registries)
-    params = model.initialize(jax.random.key(0))
-    prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 4, 6], [11, 2, 9, 9, 1, 5, 3, 2, 6, 7, 1]]
-    greedy = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0)
-
-    def generate(kernels):
-        engine = Engine(model, params, None, config=EngineConfig(max_seqs=4, num_blocks=64, kernels=kernels))
-        with record_kernel_choices() as choices:
-            outs = engine.generate([GenerationRequest(request_id=str(i), prompt_token_ids=tuple(p), params=greedy)
-                                    for i, p in enumerate(prompts)])
-        return outs, sorted(choices.get("dot", {}))
-
-    fast, fast_kernels = generate(None)
-    slow, slow_kernels = generate({"dot": "xla", "paged_attention": "xla"})
-    assert fast_kernels == ["cpu_rows"] and slow_kernels == ["xla"]
-    for a, b in zip(fast, slow):
-        assert a.choices[0].token_ids == b.choices[0].token_ids and len(a.choices[0].token_ids) == 12
-        np.testing.assert_allclose(a.choices[0].logprobs, b.choices[0].logprobs, atol=1e-5)
 
 
 def test_vmapped_over_stacked_weights_as_a_mixture_of_experts_does():
