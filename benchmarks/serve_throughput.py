@@ -11,7 +11,9 @@ hf-to-axcore`). Every contender computes in float32 on the same weights.
 The workload is a seeded ShareGPT-like length mix: prompt lengths log-normal around 128
 tokens clipped to 32..512, output lengths log-normal around 64 clipped to 16..256 (the
 same lengths for every contender and round; each round and warm-up draws fresh prompt
-token ids, so no contender's prefix cache holds a prompt it is timed on). Prompts are
+token ids, so no contender's prefix cache holds a prompt it is timed on; the ids repeat
+from run to run, so a run against servers left running by an earlier one, `--axcore-url`
+or `--vllm-url`, needs its own `--prompt-seed`). Prompts are
 sent as token ids; every request is greedy with `ignore_eos`, so it generates exactly its
 output length. At concurrency C, C closed-loop clients each send their next request when
 their previous one has finished (`--requests` per level, default C, at least 4).
@@ -320,22 +322,26 @@ def prepare(work_dir: pathlib.Path, quick: bool) -> tuple[pathlib.Path, pathlib.
 
 
 def measure(contenders: dict[str, Callable], levels: tuple[int, ...], rounds: int, vocab: int, quick: bool,
-            requests: int | None, save: Callable[[dict], None], warm_levels: tuple[int, ...]) -> dict[str, Any]:
+            requests: int | None, save: Callable[[dict], None], warm_levels: tuple[int, ...],
+            prompt_seed: int = 0) -> dict[str, Any]:
     """Warm-up per contender and level, then `rounds` rounds alternating contenders; -> raw per-round numbers.
 
     `save` gets the numbers so far after each round (a long run interrupted keeps its finished rounds).
+    Prompt tokens are seeded by level and round, offset by `prompt_seed * 100_000`: a second run against
+    servers that keep running needs another `prompt_seed`, else their prefix caches hold its prompts.
     """
+    offset = 100_000 * prompt_seed
     counts = {c: requests or (2 * c if quick else max(4, c)) for c in levels}
     lengths = {c: length_mix(counts[c], seed=c, quick=quick) for c in levels}
     raw: dict[str, Any] = {name: {str(c): [] for c in levels} for name in contenders}
     agree: dict[str, Any] = {name: {str(c): [] for c in levels} for name in contenders}
     for c in warm_levels:  # Warm-up: compiles (axcore's shape buckets), fills caches; prompts used nowhere else.
-        warm = prompts_for(lengths[c], seed=10_000 + c, vocab=vocab)
+        warm = prompts_for(lengths[c], seed=offset + 10_000 + c, vocab=vocab)
         for name, fn in contenders.items():  # transformers compiles nothing: one request warms it.
             fn(warm[:1] if name == "transformers" else warm, c)
     for round_ in range(rounds):
         for c in levels:
-            work = prompts_for(lengths[c], seed=1000 * round_ + c, vocab=vocab)
+            work = prompts_for(lengths[c], seed=offset + 1000 * round_ + c, vocab=vocab)
             tokens = {}
             for name, fn in contenders.items():
                 results, wall = fn(work, c)
@@ -370,7 +376,7 @@ def run(quick: bool = False, *, results_dir: pathlib.Path | None = None, rounds:
         work_dir: pathlib.Path | None = None, vllm_python: str | None = None, requests: int | None = None,
         contenders: tuple[str, ...] = ("axcore", "vllm", "transformers"), axcore_url: str | None = None,
         vllm_url: str | None = None, warm_levels: tuple[int, ...] | None = None,
-        levels: tuple[int, ...] | None = None) -> dict[str, Any]:
+        levels: tuple[int, ...] | None = None, prompt_seed: int = 0) -> dict[str, Any]:
     """Runs the comparison; `axcore_url`/`vllm_url` drive servers already running (started as above) instead."""
     rounds = rounds or (1 if quick else 3)
     levels = tuple(levels or (QUICK_LEVELS if quick else LEVELS))
@@ -404,7 +410,8 @@ def run(quick: bool = False, *, results_dir: pathlib.Path | None = None, rounds:
             fns["transformers"] = transformers_contender(hf_dir)
         header = {"quick": quick, "model": "smoke shape" if quick else "SmolLM-135M shape, random weights, float32",
                   "parameters": count, "rounds": rounds, "levels": list(levels), "server_startup_s": startup,
-                  "notes": notes, "warm_levels": list(levels if warm_levels is None else warm_levels)}
+                  "notes": notes, "warm_levels": list(levels if warm_levels is None else warm_levels),
+                  "prompt_seed": prompt_seed}
 
         def save(measured: dict[str, Any]) -> None:
             result.update(header, load_average=os.getloadavg(), **measured,
@@ -412,7 +419,8 @@ def run(quick: bool = False, *, results_dir: pathlib.Path | None = None, rounds:
             write_result("serve_throughput", result, results_dir=results_dir)
 
         result: dict[str, Any] = {}
-        measure(fns, levels, rounds, vocab, quick, requests, save, levels if warm_levels is None else warm_levels)
+        measure(fns, levels, rounds, vocab, quick, requests, save, levels if warm_levels is None else warm_levels,
+                prompt_seed)
     finally:
         for proc in servers:
             stop_server(proc)
@@ -460,12 +468,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levels", type=int, nargs="+", default=None, help="concurrency levels (default 1 8 32)")
     parser.add_argument("--work-dir", type=pathlib.Path, default=None, help="keep the model, import and logs here")
     parser.add_argument("--results-dir", type=pathlib.Path, default=None)
+    parser.add_argument("--prompt-seed", type=int, default=0, help="offsets every prompt's seed; give each run "
+                        "against servers that keep running (--axcore-url/--vllm-url) its own, or their prefix caches "
+                        "hold the prompts of the run before (default 0)")
     args = parser.parse_args(argv)
     result = run(args.quick, results_dir=args.results_dir, rounds=args.rounds, work_dir=args.work_dir,
                  vllm_python=args.vllm_python, requests=args.requests, contenders=tuple(args.contenders),
                  axcore_url=args.axcore_url, vllm_url=args.vllm_url,
                  warm_levels=None if args.warm_up_levels is None else tuple(args.warm_up_levels),
-                 levels=None if args.levels is None else tuple(args.levels))
+                 levels=None if args.levels is None else tuple(args.levels), prompt_seed=args.prompt_seed)
     print(table(result))
     return 0
 
