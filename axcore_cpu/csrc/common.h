@@ -106,6 +106,17 @@ inline ffi::Error ProductSizes(const char* target, const ffi::Buffer<ffi::F32>& 
   return ffi::Error::Success();
 }
 
+// The binding of a product handler (`axcore_cpu_sgemm`, `axcore_cpu_rows_dot`): XLA's intra-op threads,
+// x and w, the result y, and the attribute trans_w (see ProductSizes).
+inline auto ProductBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Ret<ffi::Buffer<ffi::F32>>()
+      .Attr<int64_t>("trans_w");
+}
+
 // Softmax of each of `rows` rows of `count` logits, in place, in float32; first each logit
 // softcap * tanh(logit / softcap) if softcap > 0.
 inline void SoftmaxRows(float* logits, int64_t rows, int64_t count, float softcap) {

@@ -21,15 +21,17 @@ template <typename Fn>
 inline void ForEachSlot(const PagedDecode& a, const float* cache, int64_t row, int64_t kv, int64_t first,
                         int64_t last, const Fn& fn) {
   const int64_t stride = a.kv_heads * a.dim;  // Between consecutive slots of a block.
+  auto head_of = [&](int64_t index) {  // Slot 0 of kv head `kv` in the row's index-th block.
+    const int64_t block = std::clamp<int64_t>(a.tables[row * a.width + index], 0, a.num_blocks - 1);
+    return cache + (block * a.block_size * a.kv_heads + kv) * a.dim;
+  };
   int64_t s = 0;
   for (int64_t index = first / a.block_size; index <= last / a.block_size; ++index) {
-    const int64_t block = std::clamp<int64_t>(a.tables[row * a.width + index], 0, a.num_blocks - 1);
-    const float* base = cache + (block * a.block_size * a.kv_heads + kv) * a.dim;
+    const float* base = head_of(index);
     const int64_t lo = index == first / a.block_size ? first % a.block_size : 0;
     const int64_t hi = index == last / a.block_size ? last % a.block_size : a.block_size - 1;
     if (index < last / a.block_size) {  // The next block lies anywhere: ask for its lines of this head now.
-      const int64_t next = std::clamp<int64_t>(a.tables[row * a.width + index + 1], 0, a.num_blocks - 1);
-      const char* lines = reinterpret_cast<const char*>(cache + (next * a.block_size * a.kv_heads + kv) * a.dim);
+      const char* lines = reinterpret_cast<const char*>(head_of(index + 1));
       for (int64_t offset = 0; offset < a.block_size; ++offset) {
         for (int64_t byte = 0; byte < a.dim * 4; byte += 64) __builtin_prefetch(lines + offset * stride * 4 + byte);
       }

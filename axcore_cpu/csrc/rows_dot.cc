@@ -92,8 +92,7 @@ inline void TrailingTile(const float* x, int64_t k, const float* w_t, float* y, 
   }
   for (int r = 0; r < kM; ++r) {
     for (int c = 0; c < kTileColumns; ++c) {
-      float sum = 0.0f;
-      for (int l = 0; l < kLanes; ++l) sum += acc[r][c][l];
+      float sum = SumLanes(acc[r][c]);
       for (int64_t p = whole; p < k; ++p) sum += x[r * k + p] * w_t[c * k + p];
       y[r * ldy + c] = sum;
     }
@@ -173,11 +172,5 @@ ffi::Error RowsDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 }  // namespace
 }  // namespace axcore_cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AxcoreCpuRowsDot, axcore_cpu::RowsDotImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<int64_t>("trans_w"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AxcoreCpuRowsDot, axcore_cpu::RowsDotImpl, axcore_cpu::ProductBinding());
 

@@ -49,11 +49,5 @@ extern "C" __attribute__((visibility("default"))) void axcore_cpu_set_sgemm(void
   axcore_cpu::g_sgemm = reinterpret_cast<axcore_cpu::Sgemm>(fn);
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AxcoreCpuSgemm, axcore_cpu::SgemmImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<int64_t>("trans_w"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AxcoreCpuSgemm, axcore_cpu::SgemmImpl, axcore_cpu::ProductBinding());
 
